@@ -1,0 +1,182 @@
+"""Paged attention: per-step metadata and the reference torch implementation.
+
+KV-cache layout (one tensor per layer)::
+
+    kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]
+             ^ 0 = keys, 1 = values
+
+Token slot ``s = block_id * block_size + offset`` addresses ``kv_cache[:, block_id, offset]``; a
+request's block table lists its blocks in sequence order, so the token at position ``p`` lives
+in block ``block_table[p // block_size]`` at offset ``p % block_size``.
+
+A step is a flat ragged batch of T new tokens from R requests. The batch builder orders requests
+so that those with a single query token (decodes, or a one-token prefill tail) come first: they
+are attended together in one gathered, padded, masked pass. Longer query chunks (prefills) are
+attended one request at a time with an explicit causal mask offset by the tokens already cached.
+
+Backends are plain functions registered by name; a device package can register a fused kernel
+and select it with ``get_attention_backend``. Nothing here is device specific.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where one step's tokens go in the paged KV cache and what each of them attends to."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    query_start_loc: torch.Tensor  # [R+1] int64: first token of each request in the flat batch
+    seq_lens: torch.Tensor  # [R] int64: context length of each request after this step
+    block_tables: torch.Tensor  # [R, max_blocks] int64: block ids, zero-padded
+    block_size: int  # tokens per KV block
+    num_decodes: int  # requests 0..num_decodes-1 have exactly one query token
+    max_decode_seq_len: int  # longest context among those single-token requests
+    query_start_loc_host: list[int]  # host copy of query_start_loc (no device sync in loops)
+    seq_lens_host: list[int]  # host copy of seq_lens
+    derived: dict[Any, Any] = field(default_factory=dict)  # per-step tensors that backends
+    # derive once and share across layers (masks, sliced block tables)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in the step."""
+        return len(self.seq_lens_host)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Tokens that belong to single-token requests (they come first in the batch)."""
+        return self.num_decodes
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' keys/values ([T, kv_heads, head_dim]) at their cache slots."""
+    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def _gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Keys and values of the given blocks ([n_blocks] or [R, n_blocks] ids):
+    [2, (R,) n_blocks * block_size, kv_heads, head_dim]."""
+    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    gathered = kv_cache.index_select(1, block_ids.reshape(-1))
+    return gathered.view(2, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, kv_heads,
+                         head_dim)
+
+
+def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    """Attention of single-token requests, batched: query [N, heads, d] -> [N, heads, d]."""
+    n, num_heads, head_dim = query.shape
+    kv_heads = kv_cache.shape[3]
+    group = num_heads // kv_heads
+    key = ("decode", kv_cache.dtype)
+    if key not in meta.derived:
+        bs = meta.block_size
+        num_ctx_blocks = (meta.max_decode_seq_len + bs - 1) // bs
+        length = num_ctx_blocks * bs
+        valid = torch.arange(length, device=query.device)[None, :] < meta.seq_lens[:n, None]
+        mask = torch.zeros(n, 1, 1, length, dtype=kv_cache.dtype, device=query.device)
+        mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        meta.derived[key] = (mask, meta.block_tables[:n, :num_ctx_blocks])
+    mask, tables = meta.derived[key]  # additive mask [N, 1, 1, L], block ids [N, L / bs]
+    ctx = _gather_context(kv_cache, tables)  # [2, N, L, kvh, d]
+    keys = ctx[0].transpose(1, 2)  # [N, kvh, L, d]
+    values = ctx[1].transpose(1, 2)
+    # The group of query heads sharing a KV head plays the role of the query-length axis, so the
+    # keys are never repeated per head. Slots past a request's length are masked out; they must
+    # hold finite values (a zero weight times NaN is NaN): the model runner zeroes the slots of
+    # any request whose step produced non-finite values.
+    q = query.view(n, kv_heads, group, head_dim).to(keys.dtype)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(n, num_heads, head_dim)
+
+
+def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       kv_cache: torch.Tensor | None, meta: AttentionMetadata, req: int,
+                       scale: float) -> torch.Tensor:
+    """Causal attention of one request's query chunk ([n, heads, d]) to its whole context."""
+    n, num_heads, head_dim = query.shape
+    seq_len = meta.seq_lens_host[req]
+    num_cached = seq_len - n
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
+    if kv_cache is None or num_cached == 0:
+        # The context is exactly the new tokens: no need to read the cache back.
+        keys = key.transpose(0, 1).unsqueeze(0)
+        values = value.transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype),
+                                             is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        bs = meta.block_size
+        num_ctx_blocks = (seq_len + bs - 1) // bs
+        ctx = _gather_context(kv_cache, meta.block_tables[req, :num_ctx_blocks])
+        keys = ctx[0, :seq_len].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, kvh, L, d]
+        values = ctx[1, :seq_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
+        key = ("prefill", req, q.dtype)
+        if key not in meta.derived:
+            # Query i sits at position num_cached + i and sees keys 0..num_cached + i.
+            mask = torch.full((n, seq_len), float("-inf"), dtype=q.dtype, device=q.device)
+            meta.derived[key] = mask.triu_(num_cached + 1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.derived[key],
+                                             scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)  # [n, heads, d]
+
+
+def torch_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          kv_cache: torch.Tensor | None, meta: AttentionMetadata,
+                          scale: float) -> torch.Tensor:
+    """Reference paged attention over a ragged batch.
+
+    query [T, heads, d], key/value [T, kv_heads, d] for the step's new tokens. The new keys and
+    values are first written to ``kv_cache`` through ``meta.slot_mapping``; each query then
+    attends causally to its own request's cached context. With ``kv_cache=None`` (profiling
+    before the cache exists) nothing is written and every request must start at position 0.
+    Returns [T, heads, d].
+    """
+    if kv_cache is not None:
+        write_kv(kv_cache, key, value, meta.slot_mapping)
+    num_decodes = meta.num_decodes
+    if num_decodes == meta.num_requests and kv_cache is not None:
+        return _decode_attention(query, kv_cache, meta, scale)
+    out = torch.empty_like(query)
+    if num_decodes > 0 and kv_cache is not None:
+        out[:num_decodes] = _decode_attention(query[:num_decodes], kv_cache, meta, scale)
+        first = num_decodes
+    else:
+        first = 0
+    qsl = meta.query_start_loc_host
+    for req in range(first, meta.num_requests):
+        start, end = qsl[req], qsl[req + 1]
+        out[start:end] = _prefill_attention(query[start:end], key[start:end], value[start:end],
+                                            kv_cache, meta, req, scale)
+    return out
+
+
+AttentionBackend = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", AttentionMetadata, float],
+    torch.Tensor,
+]
+
+_BACKENDS: dict[str, AttentionBackend] = {"torch": torch_paged_attention}
+
+
+def register_attention_backend(name: str, backend: AttentionBackend) -> None:
+    """Make ``backend`` selectable under ``name`` (e.g. a fused CUDA kernel)."""
+    _BACKENDS[name] = backend
+
+
+def get_attention_backend(name: str = "torch") -> AttentionBackend:
+    """The attention implementation registered under ``name``."""
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; have {sorted(_BACKENDS)}") from None

@@ -1,0 +1,113 @@
+"""Command line and gRPC server bootstrap shared by every executor kind."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.config import ExecutorConfig
+from common.pb import executor_pb2 as pb
+from common.pb import executor_pb2_grpc as pb_grpc
+from common.servicer import ExecutorServicer
+from common.worker_base import WorkerBase
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a step of long prompts can be large
+
+
+def build_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """Flags common to every executor."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--model", required=True, help="local Hugging Face model directory")
+    p.add_argument("--served-model-name", default="", help="name reported to the controller")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--kv-cache-bytes", type=int, default=0,
+        help="KV budget where memory cannot be profiled (CPU); 0 = 2 GiB",
+    )
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-model-len", type=int, default=0, help="0 = the model's own")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true", help="no graph capture / compile")
+    p.add_argument(
+        "--no-chunked-prefill", action="store_true",
+        help="report no chunked-prefill support (whole prompts only)",
+    )
+    p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--num-threads", type=int, default=0, help="CPU threads; 0 = default")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
+    """The ExecutorConfig the flags describe."""
+    return ExecutorConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        chunked_prefill=not args.no_chunked_prefill,
+        max_logprobs=args.max_logprobs,
+        num_threads=args.num_threads,
+    )
+
+
+def serve(worker_factory: Callable[[ExecutorConfig], WorkerBase], args) -> None:
+    """Load the model, then serve Executor, health and reflection until SIGTERM/SIGINT."""
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    worker = worker_factory(config_from_args(args))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=8),
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    servicer = ExecutorServicer(worker)
+    pb_grpc.add_ExecutorServicer_to_server(servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    address = f"{args.host}:{args.port}"
+    server.add_insecure_port(address)
+    server.start()
+    log.info("listening on %s; loading %s", address, args.model)
+    servicer.load()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("ready: %s on %s", worker.device_kind, worker.device_name)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("shutting down")
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace=5).wait()

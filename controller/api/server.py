@@ -1,0 +1,147 @@
+"""The FastAPI application: routes, error mapping, lifecycle."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from controller.api.errors import APIError, error_response
+from controller.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from controller.api.serving import OpenAIServing
+from controller.engine import Engine
+
+log = logging.getLogger(__name__)
+VERSION = "0.1.0"
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request.", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return "The request body is not valid JSON.", None
+    param = ".".join(loc) or None
+    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+
+
+def create_app(engine: Engine, serving: OpenAIServing, start_engine: bool = True) -> FastAPI:
+    """The HTTP app; starts/stops the engine with the server when start_engine is set."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if start_engine:
+            await engine.start()
+        yield
+        if start_engine:
+            await engine.stop()
+
+    app = FastAPI(title="Tandem", version=VERSION, lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return error_response(APIError(message, 400, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error_response(APIError(str(exc.detail), exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(APIError("Internal server error.", 500))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await serving.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await serving.chat(body, request)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": serving.model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "tandem", "root": engine.config.model,
+            "max_model_len": engine.max_model_len,
+        }]}
+
+    @app.get("/health")
+    async def health():
+        state = {"status": "ok" if engine.healthy else "unavailable",
+                 "executors": engine.executors_state()}
+        return JSONResponse(state, status_code=200 if engine.healthy else 503)
+
+    @app.get("/admin/executors")
+    async def executors():
+        return {"executors": engine.executors_state()}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        serving.check_model(body.model)
+        tok = serving.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("Give exactly one of prompt or messages.", 400, "prompt")
+        if body.messages is not None:
+            try:
+                text = tok.apply_chat_template(
+                    [m.model_dump(exclude_none=True) for m in body.messages],
+                    add_generation_prompt=body.add_generation_prompt,
+                )
+            except ValueError as exc:
+                raise APIError(
+                    f"Cannot apply the chat template: {exc}", 400, "messages"
+                ) from exc
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        serving.check_model(body.model)
+        serving._check_ids(body.tokens, "tokens")
+        return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    # Keep the JSON error shape for bodies that are not JSON objects at all.
+    @app.middleware("http")
+    async def _json_guard(request: Request, call_next):
+        if request.method == "POST" and request.url.path.startswith(("/v1/", "/tok", "/detok")):
+            raw = await request.body()
+            try:
+                parsed = json.loads(raw or b"null")
+            except (ValueError, UnicodeDecodeError):
+                return error_response(APIError("The request body is not valid JSON.", 400))
+            if not isinstance(parsed, dict):
+                return error_response(APIError("The request body must be a JSON object.", 400))
+        return await call_next(request)
+
+    return app

@@ -1,0 +1,316 @@
+"""Turns validated API requests into engine requests and engine deltas into OpenAI responses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from common.step_types import SamplingParams, TokenLogprobs
+from controller.api import formats
+from controller.api.errors import APIError
+from controller.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from controller.engine import Engine, NoExecutorError
+from controller.outputs import GenerationRequest, OutputDelta
+from controller.tokenizer import Tokenizer
+
+
+@dataclass
+class Choice:
+    """One choice being assembled from deltas."""
+
+    index: int  # position in the response's choices
+    prompt_index: int  # which prompt it answers
+    text: str = ""  # generated text
+    token_ids: list[int] = field(default_factory=list)  # generated tokens
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per generated token
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt positions 1..
+    finish_reason: str | None = None  # set when finished
+    error: str = ""  # set when the request failed
+    num_cached_tokens: int = 0  # prefix-cache hit of its prompt
+
+
+@dataclass
+class Prompt:
+    """A tokenized prompt."""
+
+    token_ids: list[int]  # token ids
+    text: str | None  # the text, when given as text
+
+
+class OpenAIServing:
+    """Handlers for /v1/completions and /v1/chat/completions."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, max_logprobs: int):
+        self.engine = engine  # the engine
+        self.tokenizer = tokenizer  # the model's tokenizer
+        self.model_name = model_name  # served name
+        self.max_logprobs = max_logprobs  # bound on requested logprobs
+
+    # --- validation ---------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist.", 404, "model", "model_not_found")
+
+    def _check_logprobs(self, k: int | None, param: str) -> None:
+        if k is not None and k > self.max_logprobs:
+            raise APIError(f"{param} must be at most {self.max_logprobs}", 400, param)
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.tokenizer.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise APIError(f"{param} holds token ids outside [0, {vocab})", 400, param)
+
+    def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        limit = self.engine.max_model_len
+        if prompt_len == 0:
+            raise APIError("The prompt is empty.", 400, "prompt")
+        capacity = min(limit, self.engine.num_kv_tokens)
+        if requested is None:
+            requested = capacity - prompt_len
+            if requested < 1:
+                raise APIError(
+                    f"This model's maximum context length is {capacity} tokens. However, your "
+                    f"prompt has {prompt_len} tokens.", 400, "messages", "context_length_exceeded",
+                )
+            return requested
+        if prompt_len + requested > capacity:
+            raise APIError(
+                f"This model's maximum context length is {capacity} tokens. However, you "
+                f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                f"{requested} in the completion). Please reduce the prompt or max_tokens.",
+                400, "max_tokens", "context_length_exceeded",
+            )
+        return requested
+
+    def _sampling(self, req: _SamplingFields, logprobs: int | None, prompt_lp: int | None,
+                  seed_offset: int) -> SamplingParams:
+        temperature = 1.0 if req.temperature is None else req.temperature
+        return SamplingParams(
+            temperature=temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(0, req.top_k or 0),
+            min_p=req.min_p or 0.0,
+            seed=None if req.seed is None else req.seed + seed_offset,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_lp,
+        )
+
+    def _generation_requests(self, req: _SamplingFields, prompts: list[Prompt],
+                             max_tokens: int | None, logprobs: int | None,
+                             prompt_lp: int | None) -> list[GenerationRequest]:
+        if getattr(req, "logit_bias", None):
+            raise APIError("logit_bias is not supported", 400, "logit_bias")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        stop_ids = list(req.stop_token_ids or [])
+        self._check_ids(stop_ids, "stop_token_ids")
+        base = uuid.uuid4().hex
+        gens = []
+        for p_index, prompt in enumerate(prompts):
+            self._check_ids(prompt.token_ids, "prompt")
+            limit = self._max_tokens(max_tokens, len(prompt.token_ids))
+            for j in range(req.n):
+                gens.append(GenerationRequest(
+                    request_id=f"{base}-{p_index}-{j}",
+                    prompt_token_ids=prompt.token_ids,
+                    sampling=self._sampling(req, logprobs, prompt_lp, j),
+                    max_tokens=limit,
+                    min_tokens=req.min_tokens,
+                    stop=stop,
+                    stop_token_ids=stop_ids,
+                    ignore_eos=req.ignore_eos,
+                    include_stop_str_in_output=req.include_stop_str_in_output,
+                    skip_special_tokens=req.skip_special_tokens,
+                    priority=req.priority,
+                ))
+        return gens
+
+    # --- running ------------------------------------------------------------------------
+
+    async def _run(self, gens: list[GenerationRequest]) -> AsyncIterator[tuple[int, OutputDelta]]:
+        """Run all requests concurrently; yield (index, delta) as they come; abort on exit."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, gen: GenerationRequest) -> None:
+            try:
+                async with contextlib.aclosing(self.engine.generate(gen)) as stream:
+                    async for delta in stream:
+                        queue.put_nowait((i, delta))
+            except Exception as exc:  # surfaced to the handler
+                queue.put_nowait((i, exc))
+
+        if not self.engine.healthy:
+            raise APIError("No executor is available to serve the request.", 503)
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        try:
+            remaining = len(gens)
+            while remaining:
+                i, item = await queue.get()
+                if isinstance(item, NoExecutorError):
+                    raise APIError(str(item), 503)
+                if isinstance(item, Exception):
+                    raise item
+                if item.finished:
+                    remaining -= 1
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _collect(self, gens: list[GenerationRequest], http: HTTPRequest) -> list[Choice]:
+        """Run to completion (non-streaming); abort everything if the client leaves."""
+        choices = [Choice(index=i, prompt_index=0) for i in range(len(gens))]
+
+        async def collect() -> None:
+            async with contextlib.aclosing(self._run(gens)) as deltas:
+                async for i, d in deltas:
+                    _apply(choices[i], d)
+
+        task = asyncio.create_task(collect())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if done:
+                    task.result()
+                    return choices
+                if await http.is_disconnected():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    raise asyncio.CancelledError("client disconnected")
+        finally:
+            if not task.done():
+                task.cancel()
+
+    # --- completions --------------------------------------------------------------------
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[Prompt]:
+        p = req.prompt
+        if isinstance(p, str):
+            items: list = [p]
+        elif p and isinstance(p[0], int):
+            items = [p]
+        else:
+            items = list(p)
+        if not items:
+            raise APIError("The prompt is empty.", 400, "prompt")
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                out.append(Prompt(self.tokenizer.encode(item), item))
+            else:
+                out.append(Prompt(list(item), None))
+        return out
+
+    async def completions(self, req: CompletionRequest, http: HTTPRequest):
+        self.check_model(req.model)
+        if req.suffix:
+            raise APIError("suffix is not supported", 400, "suffix")
+        if req.best_of not in (None, req.n):
+            raise APIError("best_of must equal n", 400, "best_of")
+        self._check_logprobs(req.logprobs, "logprobs")
+        prompts = self._completion_prompts(req)
+        prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
+        gens = self._generation_requests(req, prompts, req.max_tokens, req.logprobs, prompt_lp)
+        meta = formats.ResponseMeta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name)
+        fmt = formats.CompletionFormatter(self.tokenizer, meta, prompts, req.n, req.echo,
+                                          req.logprobs, req.return_token_ids)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._sse(gens, fmt.stream_chunk, fmt, include_usage)
+        choices = await self._collect(gens, http)
+        for c in choices:
+            c.prompt_index = c.index // req.n
+        return JSONResponse(fmt.response(choices))
+
+    # --- chat ---------------------------------------------------------------------------
+
+    async def chat(self, req: ChatCompletionRequest, http: HTTPRequest):
+        self.check_model(req.model)
+        top = req.top_logprobs
+        if top is not None and not req.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true", 400, "top_logprobs")
+        self._check_logprobs(top, "top_logprobs")
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools,
+                **(req.chat_template_kwargs or {}),
+            )
+        except ValueError as exc:
+            raise APIError(f"Cannot apply the chat template: {exc}", 400, "messages") from exc
+        prompt = Prompt(self.tokenizer.encode(text, add_special_tokens=False), text)
+        logprobs = (top or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        gens = self._generation_requests(req, [prompt], max_tokens, logprobs, None)
+        meta = formats.ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
+                                    self.model_name)
+        fmt = formats.ChatFormatter(self.tokenizer, meta, prompt, req.logprobs,
+                                    req.return_token_ids)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._sse(gens, fmt.stream_chunk, fmt, include_usage)
+        choices = await self._collect(gens, http)
+        return JSONResponse(fmt.response(choices))
+
+    # --- streaming ----------------------------------------------------------------------
+
+    def _sse(self, gens: list[GenerationRequest], chunk: Callable, fmt,
+             include_usage: bool) -> StreamingResponse:
+        choices = [Choice(index=i, prompt_index=i // max(1, fmt.n)) for i in range(len(gens))]
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                async with contextlib.aclosing(self._run(gens)) as deltas:
+                    for prelude in fmt.stream_prelude(len(gens), include_usage):
+                        yield _sse_line(prelude)
+                    async for i, d in deltas:
+                        first = not choices[i].token_ids and not choices[i].text
+                        _apply(choices[i], d)
+                        if d.error:
+                            yield _sse_line({"error": {"message": d.error,
+                                                       "type": "server_error",
+                                                       "param": None, "code": None}})
+                            continue
+                        body = chunk(choices[i], d, first, include_usage)
+                        if body is not None:
+                            yield _sse_line(body)
+                    if include_usage:
+                        yield _sse_line(fmt.usage_chunk(choices))
+            except APIError as err:
+                yield _sse_line({"error": {"message": err.message, "type": err.err_type,
+                                           "param": err.param, "code": err.code}})
+            yield "data: [DONE]\n\n"
+
+        if not self.engine.healthy:
+            raise APIError("No executor is available to serve the request.", 503)
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+
+def _apply(choice: Choice, d: OutputDelta) -> None:
+    choice.text += d.text
+    choice.token_ids.extend(d.token_ids)
+    if d.logprobs:
+        choice.logprobs.extend(d.logprobs)
+    if d.prompt_logprobs:
+        choice.prompt_logprobs.extend(d.prompt_logprobs)
+    choice.num_cached_tokens = d.num_cached_tokens
+    if d.finished:
+        choice.finish_reason = d.finish_reason
+        choice.error = d.error
+
+
+def _sse_line(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"

@@ -1,0 +1,139 @@
+"""The controller's gRPC client for one executor: handshake and the step stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common import convert
+from common.config import DeviceInfo, MemoryProfile
+from common.pb import executor_pb2 as pb
+from common.pb import executor_pb2_grpc as pb_grpc
+from common.step_types import StepInput, StepOutput
+
+log = logging.getLogger(__name__)
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+
+
+class ExecutorLost(RuntimeError):
+    """The executor's stream broke, it restarted, or it stopped answering in time."""
+
+
+@dataclass
+class HandshakeResult:
+    """What the startup handshake established."""
+
+    info: DeviceInfo  # InitDevice's answer
+    memory: MemoryProfile  # ProfileMemory's answer
+    num_blocks: int  # KV blocks allocated on the executor (block 0 is the null block)
+    warmup_seconds: float  # InitializeCache's warm-up time
+
+
+class ExecutorClient:
+    """gRPC channel, handshake and ExecuteModel stream to one executor."""
+
+    def __init__(self, address: str, step_timeout: float = 300.0):
+        self.address = address  # host:port
+        self.step_timeout = step_timeout  # seconds a step may take before the executor is lost
+        self._channel: grpc.aio.Channel | None = None  # opened in the serving event loop
+        self._call = None  # the open ExecuteModel stream
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+            self._stub = pb_grpc.ExecutorStub(self._channel)
+            self._health = health_pb2_grpc.HealthStub(self._channel)
+        return self._channel
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Wait until the executor reports SERVING (its model is loaded)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        _ = self.channel
+        while True:
+            try:
+                resp = await self._health.Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=5
+                )
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise ExecutorLost(f"executor {self.address} not ready after {timeout:.0f}s")
+            await asyncio.sleep(0.5)
+
+    async def handshake(
+        self,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        seed: int,
+        num_blocks_override: int = 0,
+    ) -> HandshakeResult:
+        """InitDevice -> ProfileMemory -> InitializeCache, sizing the cache from the KV spec."""
+        await self.close_stream()
+        _ = self.channel
+        info = convert.device_info_from_pb(
+            await self._stub.InitDevice(
+                pb.InitDeviceRequest(
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    max_num_seqs=max_num_seqs,
+                    max_model_len=max_model_len,
+                    seed=seed,
+                )
+            )
+        )
+        memory = convert.memory_profile_from_pb(
+            await self._stub.ProfileMemory(pb.ProfileMemoryRequest())
+        )
+        num_blocks = memory.available_kv_bytes // info.kv_cache.bytes_per_block
+        if num_blocks_override > 0:
+            num_blocks = num_blocks_override
+        if num_blocks < 2:
+            raise RuntimeError(
+                f"executor {self.address}: {memory.available_kv_bytes} bytes hold no KV block "
+                f"of {info.kv_cache.bytes_per_block} bytes"
+            )
+        resp = await self._stub.InitializeCache(pb.InitializeCacheRequest(num_blocks=num_blocks))
+        return HandshakeResult(info, memory, num_blocks, resp.warmup_seconds)
+
+    async def step(self, step: StepInput) -> StepOutput:
+        """Send one step on the stream and wait for its result."""
+        try:
+            if self._call is None:
+                self._call = self._stub.ExecuteModel()
+            await self._call.write(convert.step_to_pb(step))
+            msg = await asyncio.wait_for(self._call.read(), timeout=self.step_timeout)
+        except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+            await self.close_stream()
+            raise ExecutorLost(f"executor {self.address}: {exc!r}") from exc
+        if msg is grpc.aio.EOF:
+            await self.close_stream()
+            raise ExecutorLost(f"executor {self.address} closed the step stream")
+        result = convert.result_from_pb(msg)
+        if result.step_id != step.step_id:
+            raise ExecutorLost(f"step {step.step_id} answered as {result.step_id}")
+        return result
+
+    async def close_stream(self) -> None:
+        """End the step stream, if open."""
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+    async def close(self) -> None:
+        await self.close_stream()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
