@@ -36,6 +36,8 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty,
+        min_tokens=s.min_tokens,
+        stop_token_ids=s.stop_token_ids,
     )
     if s.seed is not None:
         msg.seed = s.seed
@@ -58,6 +60,8 @@ def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
         repetition_penalty=m.repetition_penalty,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        min_tokens=m.min_tokens,
+        stop_token_ids=list(m.stop_token_ids),
     )
 
 

@@ -37,6 +37,11 @@ class RequestState:
         return self.token_ids[: self.num_prompt_tokens]
 
     @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def output_token_ids(self) -> list[int]:
         """Generated tokens so far (a copy)."""
         return self.token_ids[self.num_prompt_tokens:]

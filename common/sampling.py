@@ -68,6 +68,8 @@ class SamplingMetadata:
     seen_tokens: torch.Tensor | None  # [P, Ls] int64 prompt + generated, padded with vocab
     num_logprobs: list[int | None]  # per row: top logprobs asked for; None = no logprobs
     max_num_logprobs: int  # k computed for the batch; -1 = no row asked
+    suppress_rows: torch.Tensor | None = None  # [B] rows still short of min_tokens
+    suppress_ids: torch.Tensor | None = None  # [B] the stop id masked in that row
 
     @property
     def needs_logprobs(self) -> bool:
@@ -143,12 +145,13 @@ def _random_group(rows: list[int], params: Sequence[SamplingParams], positions: 
 def build_sampling_metadata(params: Sequence[SamplingParams], positions: Sequence[int],
                             prompt_ids: Sequence[Sequence[int]],
                             output_ids: Sequence[Sequence[int]], vocab_size: int,
-                            device: torch.device | str, max_logprobs: int = 20
-                            ) -> SamplingMetadata:
+                            device: torch.device | str, max_logprobs: int = 20,
+                            num_outputs: Sequence[int] | None = None) -> SamplingMetadata:
     """Host-side construction of a step's sampling tensors.
 
     ``positions[i]`` is the sequence index the sampled token of row i will occupy (it keys the
-    seeded noise). Token histories are read only for rows with penalties.
+    seeded noise). Token histories are read only for rows with penalties. ``num_outputs[i]``
+    (tokens generated so far) decides which rows are still short of their min_tokens.
     """
     rows = range(len(params))
     greedy = [i for i in rows if params[i].greedy]
@@ -165,6 +168,12 @@ def build_sampling_metadata(params: Sequence[SamplingParams], positions: Sequenc
                        for g in (full, sorted(truncated)) if g],
         penalty_rows=None, presence=None, frequency=None, repetition=None, output_tokens=None,
         seen_tokens=None, num_logprobs=num_lp, max_num_logprobs=max(asked) if asked else -1)
+    if num_outputs is not None:
+        pairs = [(i, t) for i in rows if num_outputs[i] < params[i].min_tokens
+                 for t in params[i].stop_token_ids if 0 <= t < vocab_size]
+        if pairs:
+            meta.suppress_rows = torch.tensor([r for r, _ in pairs], device=device)
+            meta.suppress_ids = torch.tensor([t for _, t in pairs], device=device)
     if pen:
         pp = [params[i] for i in pen]
 
@@ -295,6 +304,9 @@ class Sampler:
         """Sample one token per row of float32 ``logits`` [S, V]."""
         raw = logits
         logits = apply_penalties(logits, meta)
+        if meta.suppress_rows is not None:  # no stop token before min_tokens
+            logits = logits.clone() if logits is raw else logits
+            logits[meta.suppress_rows, meta.suppress_ids] = float("-inf")
         if meta.greedy_rows is not None and not meta.random_groups:
             sampled = logits.argmax(dim=-1)
         else:

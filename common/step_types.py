@@ -23,6 +23,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # multiplicative, over prompt and generated tokens; 1 = off
     logprobs: int | None = None  # sampled token's logprob + this many top ones; None = none
     prompt_logprobs: int | None = None  # same for every prompt position; None = none
+    min_tokens: int = 0  # stop_token_ids are not sampled before this many generated tokens
+    stop_token_ids: list[int] = field(default_factory=list)  # ids that end the request
 
     @property
     def greedy(self) -> bool:

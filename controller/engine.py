@@ -48,6 +48,8 @@ class _Tracked:
     arrival: float  # perf_counter at arrival
     first_token_at: float = 0.0  # perf_counter of the first token
     last_token_at: float = 0.0  # perf_counter of the latest token
+    prompt_logprobs_sent: int = 0  # prompt positions already streamed
+    prompt_logprobs_skip: int = 0  # positions a resumed request recomputes and must not resend
 
 
 class ExecutorRunner:
@@ -174,6 +176,12 @@ class ExecutorRunner:
             assert self.scheduler is not None
             self.scheduler.finish_requests([update.request_id], "stop")
             finished, reason = True, "stop"
+        prompt_lps = update.prompt_logprobs or None
+        if prompt_lps and tracked.prompt_logprobs_skip:
+            skip = min(tracked.prompt_logprobs_skip, len(prompt_lps))
+            prompt_lps = prompt_lps[skip:]
+            tracked.prompt_logprobs_skip -= skip
+        tracked.prompt_logprobs_sent += len(prompt_lps or ())
         if update.new_token_ids:
             self.engine.metrics.tokens_generated(tracked, len(update.new_token_ids), now)
         req = tracked.request
@@ -183,7 +191,7 @@ class ExecutorRunner:
                 text=delta,
                 token_ids=list(update.new_token_ids),
                 logprobs=update.logprobs,
-                prompt_logprobs=update.prompt_logprobs or None,
+                prompt_logprobs=prompt_lps or None,
                 finished=finished,
                 finish_reason=reason,
                 num_prompt_tokens=req.num_prompt_tokens,
@@ -215,6 +223,7 @@ class ExecutorRunner:
             tracked.request = self.engine.make_request(
                 tracked.gen, tracked.request.output_token_ids
             )
+            tracked.prompt_logprobs_skip = tracked.prompt_logprobs_sent
             self.add(tracked)
         log.info("executor %s back: resumed %d requests", self.address, len(pending))
 

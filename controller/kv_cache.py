@@ -266,7 +266,8 @@ class KVCacheManager:
         `num_tokens - 1` tokens can hit, rounded down to whole blocks. Takes no reference: pass
         the blocks to `allocate_slots`, which also counts the query and the hit.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt position computed, so no prefix is reused.
             return [], 0
         hashes = self._update_hashes(request, self._max_hit_blocks(request.num_tokens))
         blocks: list[KVBlock] = []

@@ -169,7 +169,8 @@ class GPUModelRunner(ModelRunnerBase):
             prompt_ids=[s.prompt_token_ids if pen[i] else () for i, s in enumerate(states)],
             output_ids=[s.output_token_ids if pen[i] else () for i, s in enumerate(states)],
             vocab_size=self.geometry.vocab_size, device=self.device,
-            max_logprobs=self.config.max_logprobs)
+            max_logprobs=self.config.max_logprobs,
+            num_outputs=[s.num_output_tokens for s in states])
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch) -> dict[str, list]:
         """Prompt logprobs of the positions computed in this step, per request id."""

@@ -287,3 +287,17 @@ def _metric(text: str, name: str) -> float:
         if line.startswith(name):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def test_min_tokens_holds_back_eos(server, hf):
+    client = server.client()
+    natural = client.chat.completions.create(model=server.model_name, messages=CHATS[0],
+                                             max_tokens=40, temperature=0)
+    n = natural.usage.completion_tokens
+    assert natural.choices[0].finish_reason == "stop" and n < 30
+    r = client.chat.completions.create(model=server.model_name, messages=CHATS[0],
+                                       max_tokens=40, temperature=0,
+                                       extra_body={"min_tokens": n + 5, "return_token_ids": True})
+    ids = r.choices[0].model_extra["token_ids"]
+    assert len(ids) >= n + 5
+    assert hf.tokenizer.eos_token_id not in ids[: n + 5]

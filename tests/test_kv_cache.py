@@ -220,3 +220,12 @@ def test_reset_prefix_cache_and_disabled_caching() -> None:
     assert off.get_computed_blocks(d) == ([], 0)
     assert not off.pool.cached and off.prefix_cache_queries == 0
     assert off.peek_prefix_hit(hash_token_blocks(list(range(40)), BS), 40) == 0
+
+
+def test_prompt_logprobs_requests_compute_every_position() -> None:
+    kv = KVCacheManager(16, BS)
+    prefix = list(range(100, 148))  # 3 full blocks
+    admit(kv, make_request("a", prefix + [1, 2]))
+    b = Request("b", prefix + [3], SamplingParams(prompt_logprobs=0), max_tokens=8)
+    blocks, hit = kv.get_computed_blocks(b)
+    assert (blocks, hit) == ([], 0)

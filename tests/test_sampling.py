@@ -244,3 +244,16 @@ def test_prompt_logprobs_helper():
         assert got.ranks[i].item() == int((ref[i] > ref[i, targets[i]]).sum()) + 1
     ranks_only = compute_logprobs(logits, targets, 0)
     assert ranks_only.top_ids.shape == (5, 0)
+
+
+def test_min_tokens_suppresses_stop_ids_until_reached():
+    logits = _logits(3)
+    best = logits.argmax(dim=-1).tolist()
+    params = [SamplingParams(min_tokens=5, stop_token_ids=[best[0]]),  # short: suppressed
+              SamplingParams(min_tokens=5, stop_token_ids=[best[1]]),  # reached: allowed
+              SamplingParams(stop_token_ids=[best[2]])]  # no min_tokens: allowed
+    meta = build_sampling_metadata(params, [10] * 3, [[]] * 3, [[]] * 3, V, "cpu",
+                                   num_outputs=[2, 5, 0])
+    out = Sampler(0)(logits, meta).sampled_token_ids.tolist()
+    assert out[0] != best[0] and out[0] == logits[0].topk(2).indices[1].item()
+    assert out[1:] == best[1:]

@@ -117,14 +117,19 @@ class OpenAIServing:
         self._check_ids(stop_ids, "stop_token_ids")
         base = uuid.uuid4().hex
         gens = []
+        # Ids that end a request; the executor never samples them before min_tokens.
+        ending = stop_ids + ([] if req.ignore_eos else list(self.engine.eos_token_ids))
         for p_index, prompt in enumerate(prompts):
             self._check_ids(prompt.token_ids, "prompt")
             limit = self._max_tokens(max_tokens, len(prompt.token_ids))
             for j in range(req.n):
+                sampling = self._sampling(req, logprobs, prompt_lp, j)
+                if req.min_tokens:
+                    sampling.min_tokens, sampling.stop_token_ids = req.min_tokens, ending
                 gens.append(GenerationRequest(
                     request_id=f"{base}-{p_index}-{j}",
                     prompt_token_ids=prompt.token_ids,
-                    sampling=self._sampling(req, logprobs, prompt_lp, j),
+                    sampling=sampling,
                     max_tokens=limit,
                     min_tokens=req.min_tokens,
                     stop=stop,
