@@ -125,6 +125,7 @@ class ExecutorRunner:
         """The client went away: finish the request and free its blocks."""
         if self.tracked.pop(request_id, None) is not None and self.scheduler is not None:
             self.scheduler.finish_requests([request_id], "abort")
+            log.info("request %s aborted (client gone)", request_id)
             self.engine.metrics.request_finished("abort")
             self._wake.set()
 
@@ -203,6 +204,11 @@ class ExecutorRunner:
         if finished:
             del self.tracked[update.request_id]
             self.engine.metrics.request_finished(reason, tracked, now)
+            log.info(
+                "request %s finished (%s): %d prompt tokens (%d cached), %d generated, %.2fs",
+                update.request_id, reason, req.num_prompt_tokens, req.num_cached_tokens,
+                req.num_output_tokens, now - tracked.arrival,
+            )
 
     async def _recover(self) -> None:
         """Reconnect with backoff; resume every unfinished request by recompute."""

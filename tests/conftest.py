@@ -96,19 +96,23 @@ def _spawn(args: list[str], log_path: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def executor_command(module: str, model: str, port: int, extra=()) -> list[str]:
+    """Arguments (after the interpreter) that start one executor for the tests."""
+    return ["-m", module, "--model", model, "--host", "127.0.0.1", "--port", str(port),
+            "--kv-cache-bytes", str(256 * 2**20), *extra]
+
+
 def start_server(model: str, tmp_dir: str, controller_args=(), executor_args=(),
-                 num_executors: int = 1, timeout: float = 300.0) -> LiveServer:
-    """Start executors and a controller; wait until /health answers 200."""
+                 executor_kinds=("executor_gpu",), timeout: float = 600.0) -> LiveServer:
+    """Start one executor per entry of executor_kinds (a module name each) and a controller;
+    wait until /health answers 200."""
     import httpx
 
     executors, ports = [], []
-    for i in range(num_executors):
+    for i, module in enumerate(executor_kinds):
         port = free_port()
-        executors.append(_spawn(
-            ["-m", "executor_gpu", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-             "--kv-cache-bytes", str(256 * 2**20), *executor_args],
-            os.path.join(tmp_dir, f"executor{i}.log"),
-        ))
+        executors.append(_spawn(executor_command(module, model, port, executor_args),
+                                os.path.join(tmp_dir, f"executor{i}.log")))
         ports.append(port)
     http_port = free_port()
     controller = _spawn(

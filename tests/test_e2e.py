@@ -301,3 +301,28 @@ def test_min_tokens_holds_back_eos(server, hf):
     ids = r.choices[0].model_extra["token_ids"]
     assert len(ids) >= n + 5
     assert hf.tokenizer.eos_token_id not in ids[: n + 5]
+
+
+def test_non_streaming_client_timeout_aborts_request(server):
+    body = {"model": server.model_name, "prompt": PROMPTS[1], "max_tokens": 400,
+            "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.base_url + "/v1/completions", json=body, timeout=1.5)
+    assert_no_blocks_in_use(server)
+
+
+def test_executor_serves_grpc_health_and_reflection(server):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.executor_ports[0]}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "tandem.executor.v1.Executor"):
+            resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        req = reflection_pb2.ServerReflectionRequest(list_services="")
+        names = {s.name for r in refl.ServerReflectionInfo(iter([req]), timeout=5)
+                 for s in r.list_services_response.service}
+        assert "tandem.executor.v1.Executor" in names

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import ROOT, start_server
+from tests.conftest import ROOT, executor_command, start_server
 from tests.test_e2e import PROMPTS, _metric, assert_no_blocks_in_use
 
 
@@ -50,9 +50,7 @@ def test_killed_executor_is_recovered_and_streams_continue(default_model_dir, tm
             victim.wait()
             log = open(os.path.join(str(tmp_path), "executor0-restarted.log"), "w")
             server.executors[0] = subprocess.Popen(
-                [sys.executable, "-m", "executor_gpu", "--model", default_model_dir,
-                 "--host", "127.0.0.1", "--port", str(port),
-                 "--kv-cache-bytes", str(256 * 2**20)],
+                [sys.executable, *executor_command("executor_gpu", default_model_dir, port)],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 
@@ -130,18 +129,5 @@ def create_app(engine: Engine, serving: OpenAIServing, start_engine: bool = True
         serving.check_model(body.model)
         serving._check_ids(body.tokens, "tokens")
         return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
-
-    # Keep the JSON error shape for bodies that are not JSON objects at all.
-    @app.middleware("http")
-    async def _json_guard(request: Request, call_next):
-        if request.method == "POST" and request.url.path.startswith(("/v1/", "/tok", "/detok")):
-            raw = await request.body()
-            try:
-                parsed = json.loads(raw or b"null")
-            except (ValueError, UnicodeDecodeError):
-                return error_response(APIError("The request body is not valid JSON.", 400))
-            if not isinstance(parsed, dict):
-                return error_response(APIError("The request body must be a JSON object.", 400))
-        return await call_next(request)
 
     return app
