@@ -8,9 +8,14 @@ MODEL_DIR ?= $(CACHE_DIR)/models/SmolLM2-135M-Instruct
 HOST ?= 127.0.0.1
 PORT ?= 8000
 EXECUTOR_PORT ?= 50051
+# Which executors `make run` starts: gpu, tpu or both (the TPU one on $(EXECUTOR_PORT)+1 then).
+EXECUTOR ?= gpu
+# Extra flags of the TPU executor; the default keeps its warm-up short on XLA:CPU (clear it on a
+# TPU host to get power-of-two buckets up to the controller's step budget).
+TPU_ARGS ?= --token-buckets 32,128 --request-buckets 16
 PYTEST_ARGS ?=
 
-.PHONY: setup deps proto model run test test-fast lint clean
+.PHONY: setup deps proto model run fleet test test-fast lint clean
 
 setup: deps proto model
 
@@ -32,12 +37,18 @@ model: $(MODEL_DIR)/model.safetensors
 $(MODEL_DIR)/model.safetensors: $(VENV)/.stamp-deps
 	$(PY) scripts/prepare_model.py --out $(MODEL_DIR)
 
-# Serve the default model: one GPU executor (CPU without CUDA) and the controller on $(PORT).
+# Serve the default model: the executor(s) chosen by EXECUTOR (gpu: CUDA, else the CPU; tpu: a
+# TPU, else XLA:CPU) and the controller on $(PORT).
 run: setup
 	MODEL_DIR=$(MODEL_DIR) HOST=$(HOST) PORT=$(PORT) EXECUTOR_PORT=$(EXECUTOR_PORT) \
-	  PY=$(PY) scripts/run_local.sh
+	  EXECUTOR=$(EXECUTOR) TPU_ARGS="$(TPU_ARGS)" PY=$(PY) scripts/run_local.sh
 
-test: setup
+# A local mixed fleet on $(PORT): a GPU executor (the CPU without CUDA) and a TPU executor
+# (XLA:CPU without a TPU) behind one controller.
+fleet: setup
+	MODEL_DIR=$(MODEL_DIR) HOST=$(HOST) PORT=$(PORT) PY=$(PY) scripts/run_fleet.sh
+
+test: setup chart-deps
 	TANDEM_MODEL_DIR=$(MODEL_DIR) $(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 # The default suite without the slow end-to-end tests.
@@ -49,3 +60,30 @@ lint: deps
 
 clean:
 	rm -rf common/pb/*_pb2*.py common/pb/*_pb2*.pyi .pytest_cache
+
+# --- Helm chart and container images ------------------------------------------------------------
+IMAGE_REGISTRY ?=
+IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+DOCKER ?= docker
+IMAGES := controller executor-gpu executor-tpu
+
+.PHONY: chart-deps chart-test images docker-engine $(addprefix image-,$(IMAGES))
+
+# What the chart tests render with when no helm binary is on PATH: Go, sprig and a YAML library
+# from Debian's packages (idempotent; root or sudo).
+chart-deps:
+	bash tests/helm_render/install_deps.sh
+
+# Render charts/tandem for its ci/ values files, validate every object against the Kubernetes
+# schemas, and check the Dockerfiles.
+chart-test: deps chart-deps
+	$(PY) -m pytest -q -ra tests/test_chart.py tests/test_images.py $(PYTEST_ARGS)
+
+# The three images, tagged as the chart's values expect: $(IMAGE_REGISTRY)tandem/<image>:$(IMAGE_TAG).
+images: $(addprefix image-,$(IMAGES))
+
+$(addprefix image-,$(IMAGES)): image-%: docker-engine
+	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/$*.Dockerfile -t $(IMAGE_REGISTRY)tandem/$*:$(IMAGE_TAG) .
+
+docker-engine:
+	@$(DOCKER) info >/dev/null 2>&1 || { echo "no Docker engine answers ($(DOCKER) info failed): images need one" >&2; exit 1; }

@@ -33,7 +33,8 @@ def build_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=50051, help="gRPC port")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--device", default="auto",
+                   help="auto, cpu, cuda or cuda:N (GPU executor); auto, tpu or cpu (TPU)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument(
         "--kv-cache-bytes", type=int, default=0,
@@ -49,6 +50,8 @@ def build_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--num-threads", type=int, default=0, help="CPU threads; 0 = default")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics of this process over HTTP (0 = off)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -72,6 +75,14 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
     )
 
 
+def start_metrics_server(host: str, port: int) -> None:
+    """Serve the process's default Prometheus registry at http://host:port/metrics."""
+    from prometheus_client import start_http_server
+
+    start_http_server(port, addr=host)
+    log.info("Prometheus metrics on %s:%d", host, port)
+
+
 def serve(worker_factory: Callable[[ExecutorConfig], WorkerBase], args) -> None:
     """Load the model, then serve Executor, health and reflection until SIGTERM/SIGINT."""
     logging.basicConfig(
@@ -79,6 +90,8 @@ def serve(worker_factory: Callable[[ExecutorConfig], WorkerBase], args) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     worker = worker_factory(config_from_args(args))
+    if getattr(args, "metrics_port", 0):
+        start_metrics_server(args.host, args.metrics_port)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8),
         options=[

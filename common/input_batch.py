@@ -161,9 +161,9 @@ class InputBatch:
 
     # --- building the step --------------------------------------------------------------
 
-    def prepare(self, step: StepInput) -> StepBatch:
-        """Apply the step's diff and build its device inputs (requests failing checks are left
-        out and reported in ``errors``; their state is dropped)."""
+    def schedule(self, step: StepInput) -> tuple[list[ScheduledRow], dict[str, str]]:
+        """Apply the step's diff; return the rows to compute (single-token requests first) and
+        the errors of requests failing checks (left out, their state dropped)."""
         runnable, errors = self._apply(step)
         # Single-token requests first: attention batches them in one pass.
         runnable.sort(key=lambda r: r[2] != 1)
@@ -174,6 +174,11 @@ class InputBatch:
             num_lp = max(0, lp_end - computed) if state.sampling.prompt_logprobs is not None else 0
             rows.append(ScheduledRow(state, computed, scheduled, end == len(state.token_ids),
                                      num_lp))
+        return rows, errors
+
+    def prepare(self, step: StepInput) -> StepBatch:
+        """Apply the step's diff and build its device inputs (see ``schedule``)."""
+        rows, errors = self.schedule(step)
         batch = self.build(rows)
         batch.errors = errors
         return batch

@@ -1,8 +1,9 @@
 """ModelRunnerBase: the part of an executor that owns the model, the KV cache and the batch.
 
-Device backends subclass it (executor_gpu.GPUModelRunner, executor_tpu.TPUModelRunner). The base
-keeps what every backend shares: the configuration, the loaded model, and the KV-cache spec
-derived from the model geometry. Everything that touches a device is virtual.
+Device backends subclass it, through common.torch_runner.TorchModelRunner for the torch-based
+ones (executor_gpu.GPUModelRunner, executor_tpu.TPUModelRunner). The base keeps what every
+backend shares: the configuration, the loaded model, and the KV-cache spec derived from the
+model geometry. Everything that touches a device is virtual.
 """
 
 from __future__ import annotations

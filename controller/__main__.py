@@ -37,17 +37,52 @@ def parse_args(argv=None) -> ControllerConfig:
     p.add_argument("--policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--scheduler", default="", help="custom scheduler as module:Class")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--step-timeout", type=float, default=300.0)
-    p.add_argument("--executor-startup-timeout", type=float, default=900.0)
+    p.add_argument("--step-timeout", type=float, default=300.0,
+                   help="seconds a step may take before its executor counts as lost")
+    p.add_argument("--executor-startup-timeout", type=float, default=900.0,
+                   help="seconds an executor's cache warm-up (compilation) may take")
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--log-level", default="INFO")
+    fleet = p.add_argument_group("fleet: discovery, health, failover, placement")
+    fleet.add_argument("--executor-dns", action="append", default=[], metavar="NAME:PORT",
+                       help="DNS name whose every A/AAAA record is an executor (e.g. a "
+                            "Kubernetes headless Service); re-resolved (repeatable)")
+    fleet.add_argument("--executor-file", action="append", default=[], metavar="PATH",
+                       help="file of host:port lines, re-read (repeatable)")
+    fleet.add_argument("--dns-server", default="", metavar="HOST:PORT",
+                       help="nameserver for --executor-dns (default: the system resolver)")
+    fleet.add_argument("--discovery-interval", type=float, default=10.0,
+                       help="seconds between re-resolutions of DNS names and files")
+    fleet.add_argument("--health-check-interval", type=float, default=1.0)
+    fleet.add_argument("--health-check-timeout", type=float, default=2.0)
+    fleet.add_argument("--health-check-failures", type=int, default=3,
+                       help="failed health checks in a row that make an executor lost")
+    fleet.add_argument("--reconnect-backoff-max", type=float, default=10.0,
+                       help="longest wait between reconnect attempts")
+    fleet.add_argument("--no-executor-timeout", type=float, default=120.0,
+                       help="seconds a request waits for a healthy executor before a 503")
+    fleet.add_argument("--no-prefix-affinity", action="store_true",
+                       help="place by estimated time only, ignoring cached prefixes")
+    fleet.add_argument("--affinity-max-wait", type=float, default=2.0,
+                       help="most extra seconds prefix affinity may cost a request")
+    fleet.add_argument("--executor-limits", action="append", default=[],
+                       metavar="KIND=TOKENS,SEQS",
+                       help="per device kind step limits, e.g. tpu=64,8 (repeatable)")
     a = p.parse_args(argv)
+    kind_limits = {}
+    for spec in a.executor_limits:
+        kind, _, values = spec.partition("=")
+        tokens, _, seqs = values.partition(",")
+        if not kind or not tokens.isdigit() or (seqs and not seqs.isdigit()):
+            p.error(f"--executor-limits {spec!r}: expected KIND=TOKENS[,SEQS]")
+        kind_limits[kind] = (int(tokens), int(seqs) if seqs else a.max_num_seqs)
     logging.basicConfig(level=a.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return ControllerConfig(
         model=a.model,
         served_model_name=a.served_model_name or os.path.basename(os.path.normpath(a.model)),
-        executors=a.executors or ["127.0.0.1:50051"],
+        executors=a.executors or (
+            [] if a.executor_dns or a.executor_file else ["127.0.0.1:50051"]),
         host=a.host,
         port=a.port,
         max_num_batched_tokens=a.max_num_batched_tokens,
@@ -62,6 +97,18 @@ def parse_args(argv=None) -> ControllerConfig:
         step_timeout=a.step_timeout,
         executor_startup_timeout=a.executor_startup_timeout,
         max_logprobs=a.max_logprobs,
+        executor_dns=a.executor_dns,
+        executor_files=a.executor_file,
+        dns_server=a.dns_server,
+        discovery_interval=a.discovery_interval,
+        health_check_interval=a.health_check_interval,
+        health_check_timeout=a.health_check_timeout,
+        health_check_failures=a.health_check_failures,
+        reconnect_backoff_max=a.reconnect_backoff_max,
+        no_executor_timeout=a.no_executor_timeout,
+        prefix_affinity=not a.no_prefix_affinity,
+        affinity_max_wait=a.affinity_max_wait,
+        kind_limits=kind_limits,
     )
 
 

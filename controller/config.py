@@ -24,6 +24,22 @@ class ControllerConfig:
     scheduler_class: str = ""  # "module:Class" of a custom SchedulerBase; "" = built-in
     seed: int = 0  # executors' global seed
     step_timeout: float = 300.0  # seconds a step may take before its executor counts as lost
-    executor_startup_timeout: float = 900.0  # seconds to wait for executors to load
+    executor_startup_timeout: float = 900.0  # seconds the handshake's cache warm-up may take
+    reconnect_backoff_min: float = 0.2  # first wait between reconnect attempts
     reconnect_backoff_max: float = 10.0  # longest wait between reconnect attempts
     max_logprobs: int = 20  # most top logprobs a request may ask for
+    # Discovery: executors come from `executors` (static), DNS names and files (re-read).
+    executor_dns: list[str] = field(default_factory=list)  # "name:port", one address per A/AAAA
+    executor_files: list[str] = field(default_factory=list)  # files of host:port lines
+    dns_server: str = ""  # "host:port" of the nameserver to ask; "" = the system resolver
+    discovery_interval: float = 10.0  # seconds between re-resolutions / re-reads
+    # Health: gRPC health checks on every connected executor.
+    health_check_interval: float = 1.0  # seconds between checks
+    health_check_timeout: float = 2.0  # seconds one check may take
+    health_check_failures: int = 3  # failed checks in a row that make an executor lost
+    no_executor_timeout: float = 120.0  # seconds a request waits for a healthy executor (503)
+    # Placement.
+    prefix_affinity: bool = True  # prefer the executor holding the longest cached prefix
+    affinity_max_wait: float = 2.0  # most extra seconds affinity may cost a request
+    # Per device kind ("cpu", "gpu", "tpu"): (max_num_batched_tokens, max_num_seqs) overrides.
+    kind_limits: dict[str, tuple[int, int]] = field(default_factory=dict)

@@ -1,10 +1,13 @@
-"""The engine: one step loop per executor, request routing, and output processing.
+"""The engine: the fleet of executors, request placement, failover and output streaming.
 
-Each executor gets an `ExecutorRunner`: its gRPC client, its own scheduler and block pool
-(blocks live on that device), and an asyncio task that schedules a step, sends it, applies the
-result and streams text deltas to the waiting API handlers. When an executor is lost, its
-unfinished requests are resumed by recompute once it is back (prompt + tokens so far), so no
-request is lost and a greedy stream continues exactly as it would have.
+Each executor address gets an `ExecutorRunner` (its session, scheduler, block pool and step
+loop; see runner.py). Addresses come from discovery (static, DNS, files; see discovery.py) and
+may join or leave at any time. Each request is placed on one healthy executor by the placement
+policy (placement.py). When an executor is lost, its unfinished requests are placed again on
+healthy executors and resumed by recompute (prompt + tokens so far), so a client's stream only
+pauses; with no healthy executor they wait up to `no_executor_timeout`, then fail (503). A
+request that an executor still has not admitted after `affinity_max_wait` seconds moves to an
+executor that can start it at once.
 """
 
 from __future__ import annotations
@@ -12,263 +15,176 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from common.config import DeviceInfo
 from controller.config import ControllerConfig
 from controller.detokenizer import OutputTextState
-from controller.executor_client import ExecutorClient, ExecutorLost
+from controller.discovery import Discovery
+from controller.kv_cache import hash_token_blocks
 from controller.metrics import EngineMetrics
 from controller.outputs import GenerationRequest, OutputDelta
+from controller.placement import PlacementPolicy, PlacementQuery
+from controller.report import executor_report
 from controller.request import Request
-from controller.scheduler import (
-    Scheduler,
-    SchedulerBase,
-    SchedulerConfig,
-    load_scheduler_class,
-)
+from controller.runner import ExecutorRunner, RunnerState
 from controller.tokenizer import Tokenizer
+from controller.tracked import Tracked
 
 log = logging.getLogger(__name__)
 
+_MAINTAIN_PERIOD = 0.2  # seconds between passes over waiting and stuck requests
+
 
 class NoExecutorError(RuntimeError):
-    """No executor is available to take a request."""
-
-
-@dataclass
-class _Tracked:
-    """Engine-side state of one generation request."""
-
-    gen: GenerationRequest  # what the API asked for
-    queue: asyncio.Queue  # OutputDelta items for the API handler
-    text: OutputTextState  # incremental detokenizer + stop strings
-    request: Request  # the scheduler's request (replaced when resumed elsewhere)
-    arrival: float  # perf_counter at arrival
-    first_token_at: float = 0.0  # perf_counter of the first token
-    last_token_at: float = 0.0  # perf_counter of the latest token
-    prompt_logprobs_sent: int = 0  # prompt positions already streamed
-    prompt_logprobs_skip: int = 0  # positions a resumed request recomputes and must not resend
-
-
-class ExecutorRunner:
-    """One executor: client, scheduler and the step loop that drives it."""
-
-    def __init__(self, engine: Engine, address: str):
-        self.engine = engine  # the owning engine
-        self.address = address  # host:port
-        self.client = ExecutorClient(address, engine.config.step_timeout)
-        self.scheduler: SchedulerBase | None = None  # built after the handshake
-        self.info: DeviceInfo | None = None  # InitDevice's answer
-        self.num_blocks = 0  # KV blocks on the device
-        self.healthy = False  # takes new work only when True
-        self.tracked: dict[str, _Tracked] = {}  # requests placed here
-        self._wake = asyncio.Event()  # set when work arrives
-        self._task: asyncio.Task | None = None  # the step loop
-
-    # --- lifecycle ---------------------------------------------------------------------
-
-    async def connect(self, timeout: float) -> None:
-        """Wait for the executor, run the handshake and build a fresh scheduler."""
-        cfg = self.engine.config
-        await self.client.wait_ready(timeout)
-        hs = await self.client.handshake(
-            cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len, cfg.seed,
-            cfg.num_kv_blocks,
-        )
-        caps = hs.info.capabilities
-        sched_cfg = SchedulerConfig(
-            max_num_batched_tokens=min(cfg.max_num_batched_tokens, caps.max_tokens_per_step),
-            max_num_seqs=min(cfg.max_num_seqs, caps.max_num_seqs),
-            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
-            policy=cfg.policy,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            chunked_prefill=caps.chunked_prefill,
-            block_size=hs.info.kv_cache.block_size,
-            num_blocks=hs.num_blocks,
-            max_model_len=hs.info.model.max_model_len,
-        )
-        cls = load_scheduler_class(cfg.scheduler_class) if cfg.scheduler_class else Scheduler
-        self.scheduler = cls(sched_cfg)
-        self.info, self.num_blocks = hs.info, hs.num_blocks
-        self.healthy = True
-        log.info(
-            "executor %s: %s (%s), %d KV blocks of %d tokens, warm-up %.1fs",
-            self.address, hs.info.device_kind, hs.info.device_name, hs.num_blocks,
-            hs.info.kv_cache.block_size, hs.warmup_seconds,
-        )
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name=f"steps-{self.address}")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        await self.client.close()
-
-    # --- requests ----------------------------------------------------------------------
-
-    @property
-    def load(self) -> int:
-        """Requests placed here (running or waiting)."""
-        return len(self.tracked)
-
-    def add(self, tracked: _Tracked) -> None:
-        assert self.scheduler is not None
-        self.tracked[tracked.gen.request_id] = tracked
-        self.scheduler.add_request(tracked.request)
-        self._wake.set()
-
-    def abort(self, request_id: str) -> None:
-        """The client went away: finish the request and free its blocks."""
-        if self.tracked.pop(request_id, None) is not None and self.scheduler is not None:
-            self.scheduler.finish_requests([request_id], "abort")
-            log.info("request %s aborted (client gone)", request_id)
-            self.engine.metrics.request_finished("abort")
-            self._wake.set()
-
-    # --- the step loop -----------------------------------------------------------------
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self._run_steps()
-            except ExecutorLost as exc:
-                log.warning("executor %s lost: %s", self.address, exc)
-                self.engine.metrics.executor_lost()
-                await self._recover()
-
-    async def _run_steps(self) -> None:
-        while True:
-            sched = self.scheduler
-            assert sched is not None
-            if not sched.has_unfinished_requests():
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            step = sched.schedule()
-            if step.num_requests == 0:
-                # Nothing fits now (e.g. waiting for blocks); let other tasks run.
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=0.05)
-                except TimeoutError:
-                    pass
-                continue
-            started = time.perf_counter()
-            output = await self.client.step(step)
-            updates = sched.update_from_output(step, output)
-            now = time.perf_counter()
-            for update in updates:
-                self._emit(update, now)
-            self.engine.metrics.step_done(
-                self, step.num_scheduled_tokens, now - started, sched.stats()
-            )
-
-    def _emit(self, update, now: float) -> None:
-        tracked = self.tracked.get(update.request_id)
-        if tracked is None:
-            return
-        finished, reason = update.finished, update.finish_reason
-        delta, stopped = tracked.text.update(update.new_token_ids, finished)
-        if stopped and not finished:
-            assert self.scheduler is not None
-            self.scheduler.finish_requests([update.request_id], "stop")
-            finished, reason = True, "stop"
-        prompt_lps = update.prompt_logprobs or None
-        if prompt_lps and tracked.prompt_logprobs_skip:
-            skip = min(tracked.prompt_logprobs_skip, len(prompt_lps))
-            prompt_lps = prompt_lps[skip:]
-            tracked.prompt_logprobs_skip -= skip
-        tracked.prompt_logprobs_sent += len(prompt_lps or ())
-        if update.new_token_ids:
-            self.engine.metrics.tokens_generated(tracked, len(update.new_token_ids), now)
-        req = tracked.request
-        tracked.queue.put_nowait(
-            OutputDelta(
-                request_id=update.request_id,
-                text=delta,
-                token_ids=list(update.new_token_ids),
-                logprobs=update.logprobs,
-                prompt_logprobs=prompt_lps or None,
-                finished=finished,
-                finish_reason=reason,
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_output_tokens=req.num_output_tokens,
-                num_cached_tokens=req.num_cached_tokens,
-                error=getattr(update, "error", "") or "",
-            )
-        )
-        if finished:
-            del self.tracked[update.request_id]
-            self.engine.metrics.request_finished(reason, tracked, now)
-            log.info(
-                "request %s finished (%s): %d prompt tokens (%d cached), %d generated, %.2fs",
-                update.request_id, reason, req.num_prompt_tokens, req.num_cached_tokens,
-                req.num_output_tokens, now - tracked.arrival,
-            )
-
-    async def _recover(self) -> None:
-        """Reconnect with backoff; resume every unfinished request by recompute."""
-        self.healthy = False
-        pending = list(self.tracked.values())
-        self.tracked.clear()
-        delay = 0.5
-        while True:
-            try:
-                await self.connect(timeout=self.engine.config.reconnect_backoff_max)
-                break
-            except Exception as exc:  # still down: retry
-                log.info("executor %s: reconnect failed (%s); retry in %.1fs", self.address,
-                         type(exc).__name__, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.engine.config.reconnect_backoff_max)
-        for tracked in pending:
-            tracked.request = self.engine.make_request(
-                tracked.gen, tracked.request.output_token_ids
-            )
-            tracked.prompt_logprobs_skip = tracked.prompt_logprobs_sent
-            self.add(tracked)
-        log.info("executor %s back: resumed %d requests", self.address, len(pending))
+    """No healthy executor took the request in time."""
 
 
 class Engine:
-    """Routes requests to executors and streams their outputs."""
+    """Routes requests to a changing fleet of executors and streams their outputs."""
 
     def __init__(self, config: ControllerConfig, tokenizer: Tokenizer):
         self.config = config  # controller configuration
         self.tokenizer = tokenizer  # for detokenization
         self.metrics = EngineMetrics(config.served_model_name)  # Prometheus metrics
-        self.runners = [ExecutorRunner(self, a) for a in config.executors]  # one per executor
-        self.max_model_len = config.max_model_len  # fixed after start()
+        self.policy = PlacementPolicy(config.prefix_affinity, config.affinity_max_wait)
+        self.discovery = Discovery(config)  # where executors are
+        self.runners: dict[str, ExecutorRunner] = {}  # by address
+        self.max_model_len = config.max_model_len  # the fleet's; set as executors connect
         self.eos_token_ids: list[int] = list(tokenizer.eos_token_ids)  # from tokenizer + model
         self.num_kv_tokens = 0  # smallest executor KV capacity in tokens
+        self.waiting: dict[str, Tracked] = {}  # requests waiting for a healthy executor
+        self._expected_output = 64.0  # running mean of generated lengths, for placement
+        self._reference: DeviceInfo | None = None  # the first executor's model, for checks
+        self._kick = asyncio.Event()  # wakes the maintenance loop
+        self._tasks: list[asyncio.Task] = []  # discovery and maintenance loops
+
+    # --- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect to every executor, then start their step loops."""
-        await asyncio.gather(
-            *(r.connect(self.config.executor_startup_timeout) for r in self.runners)
-        )
-        infos = [r.info for r in self.runners if r.info is not None]
-        self.max_model_len = min(i.model.max_model_len for i in infos)
-        for info in infos:
-            for eos in info.model.eos_token_ids:
-                if eos not in self.eos_token_ids:
-                    self.eos_token_ids.append(eos)
-        self.num_kv_tokens = min(
-            (r.num_blocks - 1) * r.info.kv_cache.block_size for r in self.runners if r.info
-        )
-        for r in self.runners:
-            r.start()
+        """Resolve the executors, connect to them in the background, start the loops."""
+        self._apply(await self.discovery.resolve())
+        self._tasks.append(asyncio.create_task(self._maintain(), name="maintain"))
+        if self.discovery.dynamic:
+            self._tasks.append(asyncio.create_task(self._discover(), name="discovery"))
 
     async def stop(self) -> None:
-        await asyncio.gather(*(r.stop() for r in self.runners))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(r.stop() for r in list(self.runners.values())))
+
+    async def _discover(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.discovery_interval)
+            try:
+                self._apply(await self.discovery.resolve())
+            except Exception:  # keep discovering whatever one round did
+                log.exception("discovery round failed")
+
+    def _apply(self, found: dict[str, str]) -> None:
+        """Start runners for new addresses; drain the ones that left."""
+        for address, source in found.items():
+            runner = self.runners.get(address)
+            if runner is None:
+                log.info("executor %s joined (%s)", address, source)
+                runner = self.runners[address] = ExecutorRunner(self, address, source)
+                runner.start()
+            elif runner.leaving and runner.rejoin():
+                log.info("executor %s is back in discovery", address)
+        for address, runner in list(self.runners.items()):
+            if address not in found:
+                runner.leave()
+        self.fleet_changed()
+
+    # --- callbacks from runners --------------------------------------------------------
+
+    def fleet_changed(self) -> None:
+        """An executor changed state: refresh the fleet gauges."""
+        self.metrics.set_executor_states(Counter(r.state.value for r in self.runners.values()))
+
+    def runner_ready(self, runner: ExecutorRunner) -> None:
+        """A handshake finished: adopt its limits, place waiting requests."""
+        self._refresh_limits()
+        self._kick.set()
+
+    def runner_removed(self, runner: ExecutorRunner) -> None:
+        if self.runners.get(runner.address) is runner:
+            del self.runners[runner.address]
+            log.info("executor %s removed", runner.address)
+        self._refresh_limits()
+        self.fleet_changed()
+
+    def request_done(self, tracked: Tracked) -> None:
+        """A request finished: update the expected output length."""
+        if tracked.request is not None:
+            n = tracked.request.num_output_tokens
+            self._expected_output = 0.9 * self._expected_output + 0.1 * n
+
+    def check_compatible(self, runner: ExecutorRunner, info: DeviceInfo) -> None:
+        """Refuse an executor that serves a different model than the fleet."""
+        ref = self._reference
+        if ref is None:
+            self._reference = info
+            return
+        mine = (info.model.architecture, info.model.vocab_size, info.model.num_layers)
+        theirs = (ref.model.architecture, ref.model.vocab_size, ref.model.num_layers)
+        if mine != theirs:
+            raise RuntimeError(f"executor {runner.address} serves a different model {mine}; "
+                               f"the fleet serves {theirs}")
+
+    def fleet_cost_prior(self, runner: ExecutorRunner) -> tuple[float, float]:
+        """Starting step-cost guess for a new executor: the fleet's average."""
+        fitted = [r.cost.coefficients() for r in self.runners.values()
+                  if r is not runner and r.cost.steps > 0]
+        if not fitted:
+            return runner.cost.prior_overhead, runner.cost.prior_per_token
+        return (sum(f[0] for f in fitted) / len(fitted), sum(f[1] for f in fitted) / len(fitted))
+
+    def _refresh_limits(self) -> None:
+        known = [r for r in self.runners.values()
+                 if r.info is not None and r.state is not RunnerState.REMOVED]
+        if not known:
+            return  # keep the last fleet's limits while none is connected
+        self.max_model_len = min(r.info.model.max_model_len for r in known)
+        self.num_kv_tokens = min((r.num_blocks - 1) * r.block_size for r in known)
+        for r in known:
+            for eos in r.info.model.eos_token_ids:
+                if eos not in self.eos_token_ids:
+                    self.eos_token_ids.append(eos)
+
+    # --- fleet state -------------------------------------------------------------------
 
     @property
     def healthy(self) -> bool:
-        return any(r.healthy for r in self.runners)
+        """Whether some executor takes work."""
+        return any(r.healthy for r in self.runners.values())
+
+    async def wait_for_executor(self, timeout: float | None = None) -> bool:
+        """Wait (up to `no_executor_timeout`) until some executor is healthy."""
+        limit = self.config.no_executor_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while not self.healthy:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
+    def fleet_summary(self) -> str:
+        n = len(self.runners)
+        healthy = sum(r.healthy for r in self.runners.values())
+        return f"{healthy} of {n} executor{'s' if n != 1 else ''} healthy"
+
+    def no_executor_message(self) -> str:
+        return (f"No healthy executor is available: waited {self.config.no_executor_timeout:g}s "
+                f"for one ({self.fleet_summary()}). Try again later.")
+
+    def executors_state(self) -> list[dict]:
+        """Per-executor state for /health and the admin endpoint."""
+        return [executor_report(r) for r in self.runners.values()]
+
+    # --- requests ----------------------------------------------------------------------
 
     def make_request(self, gen: GenerationRequest, output_so_far: list[int] | None = None):
         """The scheduler's Request for a generation request (resumed: with its output)."""
@@ -288,16 +204,12 @@ class Engine:
             req.output_token_ids = list(output_so_far)
         return req
 
-    def _place(self) -> ExecutorRunner:
-        candidates = [r for r in self.runners if r.healthy]
-        if not candidates:
-            raise NoExecutorError("no executor is healthy")
-        return min(candidates, key=lambda r: r.load)
-
     async def generate(self, gen: GenerationRequest) -> AsyncIterator[OutputDelta]:
-        """Run one request; yields its deltas; aborts it if the consumer goes away."""
-        runner = self._place()
-        tracked = _Tracked(
+        """Run one request; yields its deltas; aborts it if the consumer goes away.
+
+        Raises NoExecutorError when no healthy executor takes it within the timeout.
+        """
+        tracked = Tracked(
             gen=gen,
             queue=asyncio.Queue(),
             text=OutputTextState(
@@ -305,38 +217,165 @@ class Engine:
                 include_stop_str_in_output=gen.include_stop_str_in_output,
                 skip_special_tokens=gen.skip_special_tokens,
             ),
-            request=self.make_request(gen),
+            request=None,
             arrival=time.perf_counter(),
         )
         self.metrics.request_arrived(len(gen.prompt_token_ids))
-        runner.add(tracked)
+        if not self._place(tracked):
+            self._wait(tracked)
         finished = False
         try:
             while not finished:
-                delta = await tracked.queue.get()
-                finished = delta.finished
-                yield delta
+                item = await tracked.queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
         finally:
             if not finished:
-                for r in self.runners:
-                    if gen.request_id in r.tracked:
-                        r.abort(gen.request_id)
+                self._abort(tracked)
 
-    def executors_state(self) -> list[dict]:
-        """Per-executor state for /health and the admin endpoint."""
-        out = []
-        for r in self.runners:
-            stats = r.scheduler.stats() if r.scheduler else None
-            out.append({
-                "address": r.address,
-                "healthy": r.healthy,
-                "kind": r.info.device_kind if r.info else None,
-                "device": r.info.device_name if r.info else None,
-                "incarnation": r.info.incarnation_id if r.info else None,
-                "num_blocks": r.num_blocks,
-                "running": stats.num_running if stats else 0,
-                "waiting": stats.num_waiting if stats else 0,
-                "kv_usage": stats.kv_usage if stats else 0.0,
-                "used_blocks": stats.num_used_blocks if stats else 0,
-            })
-        return out
+    def _abort(self, tracked: Tracked) -> None:
+        if tracked.runner is not None:
+            tracked.runner.abort(tracked)
+        elif self.waiting.pop(tracked.gen.request_id, None) is not None:
+            self.metrics.request_finished("abort")
+            self.metrics.set_waiting_for_executor(len(self.waiting))
+
+    def _place(self, tracked: Tracked, exclude: ExecutorRunner | None = None,
+               startable_only: bool = False) -> bool:
+        """Place a request on the best healthy executor; False when none can take it."""
+        gen = tracked.gen
+        output = tracked.output_token_ids
+        tokens = gen.prompt_token_ids + output
+        n = len(tokens)
+        longest = len(gen.prompt_token_ids) + gen.max_tokens
+        runners = [r for r in self.runners.values()
+                   if r.healthy and r is not exclude and r.fits(n, longest)
+                   and (not startable_only or r.can_start_now(n))]
+        if not runners:
+            return False
+        use_cache = self.config.enable_prefix_caching and gen.sampling.prompt_logprobs is None
+        hashes: dict[int, list[bytes]] = {}
+        for r in runners:
+            if r.block_size not in hashes:
+                hashes[r.block_size] = hash_token_blocks(tokens, r.block_size) if use_cache else []
+        remaining = max(gen.max_tokens - len(output), 1)
+        expected = self._expected_output
+        healthy = [r for r in self.runners.values() if r.healthy]
+        query = PlacementQuery(
+            n, max(1, min(remaining, round(expected))),
+            reference_batch=1.0 + sum(len(r.tracked) for r in healthy) / max(len(healthy), 1),
+        )
+        decision = self.policy.choose(
+            query, [r.candidate(hashes[r.block_size], n, expected) for r in runners]
+        )
+        assert decision is not None
+        runner = self.runners[decision.key]
+        request = self.make_request(gen, output)
+        request.arrival_time = tracked.arrival_time
+        request.block_hashes = list(hashes[runner.block_size])
+        tracked.request = request
+        tracked.queued_hashes = hashes[runner.block_size]
+        tracked.expected_hit = decision.prefix_hit
+        runner.add(tracked)  # ValueError (never runnable) goes to the caller
+        self.metrics.placed(decision.reason)
+        log.debug("request %s -> %s (%s, %d cached tokens, latency %.2fs, balanced %.2fs)",
+                  gen.request_id, runner.address, decision.reason, decision.prefix_hit,
+                  decision.latency, decision.balance_latency)
+        return True
+
+    def _wait(self, tracked: Tracked) -> None:
+        """No executor can take the request now: hold it until one can (or time out)."""
+        tracked.waiting_since = time.monotonic()
+        self.waiting[tracked.gen.request_id] = tracked
+        self.metrics.set_waiting_for_executor(len(self.waiting))
+        log.info("request %s waits for a healthy executor (%s)", tracked.gen.request_id,
+                 self.fleet_summary())
+
+    def relocate(self, moved: list[Tracked], source: ExecutorRunner, failover: bool) -> None:
+        """Place requests taken from `source` elsewhere; they resume by recompute."""
+        now = time.perf_counter()
+        for tracked in moved:
+            tracked.num_moves += 1
+            tracked.prompt_logprobs_skip = tracked.prompt_logprobs_sent
+            if failover:
+                tracked.lost_at = tracked.lost_at or now
+                self.metrics.failed_over()
+            try:
+                placed = self._place(tracked, exclude=source)
+            except ValueError as exc:
+                self._fail(tracked, RuntimeError(f"request cannot be resumed: {exc}"))
+                continue
+            if not placed:
+                self._wait(tracked)
+        if failover:
+            log.info("failover from %s: %d requests moved, %d waiting for an executor",
+                     source.address, len(moved), len(self.waiting))
+
+    def _fail(self, tracked: Tracked, error: Exception) -> None:
+        tracked.queue.put_nowait(error)
+        self.metrics.request_finished("error")
+
+    # --- maintenance: waiting requests and the affinity bound --------------------------
+
+    async def _maintain(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._kick.wait(), timeout=_MAINTAIN_PERIOD)
+            except TimeoutError:
+                pass
+            self._kick.clear()
+            try:
+                self._place_waiting()
+                self._rebalance()
+            except Exception:  # never let one bad pass stop the loop
+                log.exception("maintenance pass failed")
+
+    def _place_waiting(self) -> None:
+        if not self.waiting:
+            return
+        now = time.monotonic()
+        for rid, tracked in sorted(self.waiting.items(), key=lambda kv: kv[1].waiting_since):
+            try:
+                placed = self._place(tracked)
+            except ValueError as exc:
+                del self.waiting[rid]
+                self._fail(tracked, RuntimeError(f"request cannot run: {exc}"))
+                continue
+            if placed:
+                del self.waiting[rid]
+            elif now - tracked.waiting_since >= self.config.no_executor_timeout:
+                del self.waiting[rid]
+                log.warning("request %s failed: no healthy executor for %.0fs", rid,
+                            now - tracked.waiting_since)
+                self._fail(tracked, NoExecutorError(self.no_executor_message()))
+        self.metrics.set_waiting_for_executor(len(self.waiting))
+
+    def _rebalance(self) -> None:
+        """Move requests an executor has held unadmitted past the bound to one that can
+        start them now (so affinity, or a stale estimate, never holds a request back long),
+        and every unadmitted request off a draining executor."""
+        healthy = [r for r in self.runners.values() if r.healthy]
+        for runner in self.runners.values():
+            if runner.state is RunnerState.DRAINING and healthy:
+                for tracked in runner.stale_waiting(float("inf")):
+                    runner.withdraw(tracked)
+                    self.metrics.rebalanced()
+                    if not self._place(tracked):
+                        self._wait(tracked)
+        if len(healthy) < 2:
+            return
+        cutoff = time.monotonic() - self.config.affinity_max_wait
+        for runner in healthy:
+            for tracked in runner.stale_waiting(cutoff):
+                n = tracked.request.num_tokens if tracked.request else 0
+                if not any(o is not runner and o.can_start_now(n) for o in healthy):
+                    break
+                runner.withdraw(tracked)
+                tracked.num_moves += 1
+                self.metrics.rebalanced()
+                if not self._place(tracked, exclude=runner, startable_only=True):
+                    if not self._place(tracked):
+                        self._wait(tracked)

@@ -17,11 +17,12 @@ from common.step_types import StepInput, StepOutput
 
 log = logging.getLogger(__name__)
 
+# No keepalive pings: the health checks watch the connection, and an executor's gRPC server
+# answers frequent pings during a long call (a warm-up that compiles for minutes) with GOAWAY
+# "too_many_pings", which would break the call.
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
 ]
 
 
@@ -56,22 +57,16 @@ class ExecutorClient:
             self._health = health_pb2_grpc.HealthStub(self._channel)
         return self._channel
 
-    async def wait_ready(self, timeout: float) -> None:
-        """Wait until the executor reports SERVING (its model is loaded)."""
-        deadline = asyncio.get_running_loop().time() + timeout
+    async def check_health(self, timeout: float) -> str:
+        """One grpc.health.v1 check: "SERVING", "NOT_SERVING", ... or "UNREACHABLE"."""
         _ = self.channel
-        while True:
-            try:
-                resp = await self._health.Check(
-                    health_pb2.HealthCheckRequest(service=""), timeout=5
-                )
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            if asyncio.get_running_loop().time() > deadline:
-                raise ExecutorLost(f"executor {self.address} not ready after {timeout:.0f}s")
-            await asyncio.sleep(0.5)
+        try:
+            resp = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout
+            )
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, TimeoutError):
+            return "UNREACHABLE"
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     async def handshake(
         self,
@@ -80,22 +75,33 @@ class ExecutorClient:
         max_model_len: int,
         seed: int,
         num_blocks_override: int = 0,
+        kind_limits: dict[str, tuple[int, int]] | None = None,
+        timeout: float = 900.0,
     ) -> HandshakeResult:
-        """InitDevice -> ProfileMemory -> InitializeCache, sizing the cache from the KV spec."""
+        """InitDevice -> ProfileMemory -> InitializeCache, sizing the cache from the KV spec.
+
+        `kind_limits` maps a device kind to its own (max_num_batched_tokens, max_num_seqs):
+        when the executor's kind has an entry, InitDevice is sent again with those limits.
+        Every call may take up to `timeout` seconds: the warm-up may compile for minutes, and
+        an executor serializes device calls, so a call may wait behind an earlier warm-up
+        (retrying sooner would only queue more handshakes behind it).
+        """
         await self.close_stream()
         _ = self.channel
-        info = convert.device_info_from_pb(
-            await self._stub.InitDevice(
-                pb.InitDeviceRequest(
-                    max_num_batched_tokens=max_num_batched_tokens,
-                    max_num_seqs=max_num_seqs,
-                    max_model_len=max_model_len,
-                    seed=seed,
-                )
+
+        async def init_device(tokens: int, seqs: int) -> DeviceInfo:
+            req = pb.InitDeviceRequest(max_num_batched_tokens=tokens, max_num_seqs=seqs,
+                                       max_model_len=max_model_len, seed=seed)
+            return convert.device_info_from_pb(
+                await self._stub.InitDevice(req, timeout=timeout)
             )
-        )
+
+        info = await init_device(max_num_batched_tokens, max_num_seqs)
+        override = (kind_limits or {}).get(info.device_kind)
+        if override and override != (max_num_batched_tokens, max_num_seqs):
+            info = await init_device(*override)
         memory = convert.memory_profile_from_pb(
-            await self._stub.ProfileMemory(pb.ProfileMemoryRequest())
+            await self._stub.ProfileMemory(pb.ProfileMemoryRequest(), timeout=timeout)
         )
         num_blocks = memory.available_kv_bytes // info.kv_cache.bytes_per_block
         if num_blocks_override > 0:
@@ -105,7 +111,9 @@ class ExecutorClient:
                 f"executor {self.address}: {memory.available_kv_bytes} bytes hold no KV block "
                 f"of {info.kv_cache.bytes_per_block} bytes"
             )
-        resp = await self._stub.InitializeCache(pb.InitializeCacheRequest(num_blocks=num_blocks))
+        resp = await self._stub.InitializeCache(
+            pb.InitializeCacheRequest(num_blocks=num_blocks), timeout=timeout
+        )
         return HandshakeResult(info, memory, num_blocks, resp.warmup_seconds)
 
     async def step(self, step: StepInput) -> StepOutput:
@@ -115,9 +123,17 @@ class ExecutorClient:
                 self._call = self._stub.ExecuteModel()
             await self._call.write(convert.step_to_pb(step))
             msg = await asyncio.wait_for(self._call.read(), timeout=self.step_timeout)
-        except (TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+        except grpc.aio.AioRpcError as exc:
             await self.close_stream()
-            raise ExecutorLost(f"executor {self.address}: {exc!r}") from exc
+            raise ExecutorLost(
+                f"step stream broke: {exc.code().name}: {exc.details()}"
+            ) from exc
+        except TimeoutError as exc:
+            await self.close_stream()
+            raise ExecutorLost(f"step {step.step_id} took over {self.step_timeout:g}s") from exc
+        except grpc.aio.UsageError as exc:
+            await self.close_stream()
+            raise ExecutorLost(f"step stream unusable: {exc}") from exc
         if msg is grpc.aio.EOF:
             await self.close_stream()
             raise ExecutorLost(f"executor {self.address} closed the step stream")
@@ -133,6 +149,7 @@ class ExecutorClient:
             self._call = None
 
     async def close(self) -> None:
+        """Close the stream and the channel; the next call opens a fresh channel."""
         await self.close_stream()
         if self._channel is not None:
             await self._channel.close()

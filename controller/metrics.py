@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
-    from controller.engine import ExecutorRunner, _Tracked
+    from controller.runner import ExecutorRunner
+    from controller.tracked import Tracked
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -60,8 +61,28 @@ class EngineMetrics:
                                  buckets=_TOKEN_BUCKETS, registry=r)
         self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens per step",
                                           labels, buckets=_TOKEN_BUCKETS, registry=r)
+        # Fleet metrics (Tandem's own).
         self.executor_losses = Counter("tandem:executor_lost", "Executors lost mid-stream",
                                        labels, registry=r)
+        self.executor_reconnects = Counter("tandem:executor_reconnects",
+                                           "Handshakes with an executor after it was lost",
+                                           labels, registry=r)
+        self.executors = Gauge("tandem:executors", "Executors by state",
+                               labels + ["state"], registry=r)
+        self.failovers = Counter("tandem:requests_failed_over",
+                                 "Requests moved off a lost executor (resumed by recompute)",
+                                 labels, registry=r)
+        self.rebalances = Counter("tandem:requests_rebalanced",
+                                  "Queued requests moved to an executor that could start them",
+                                  labels, registry=r)
+        self.placements = Counter("tandem:placements", "Placements by reason (affinity|load)",
+                                  labels + ["reason"], registry=r)
+        self.waiting_for_executor = Gauge("tandem:requests_waiting_for_executor",
+                                          "Requests no healthy executor can take now",
+                                          labels, registry=r)
+        self.failover_pause = Histogram("tandem:failover_pause_seconds",
+                                        "From losing a request's executor to its next token",
+                                        labels, buckets=_LATENCY_BUCKETS, registry=r)
         self._last: dict[str, tuple[int, int, int]] = {}  # runner -> cumulative counters seen
 
     def _l(self, metric):
@@ -71,7 +92,7 @@ class EngineMetrics:
         self._l(self.prompt_tokens).inc(num_prompt_tokens)
         self._l(self.req_prompt).observe(num_prompt_tokens)
 
-    def tokens_generated(self, tracked: _Tracked, count: int, now: float) -> None:
+    def tokens_generated(self, tracked: Tracked, count: int, now: float) -> None:
         self._l(self.generation_tokens).inc(count)
         if not tracked.first_token_at:
             tracked.first_token_at = now
@@ -80,7 +101,7 @@ class EngineMetrics:
             self._l(self.itl).observe((now - tracked.last_token_at) / count)
         tracked.last_token_at = now
 
-    def request_finished(self, reason: str | None, tracked: _Tracked | None = None,
+    def request_finished(self, reason: str | None, tracked: Tracked | None = None,
                          now: float | None = None) -> None:
         self.request_success.labels(
             model_name=self.model_name, finished_reason=reason or "abort"
@@ -92,25 +113,52 @@ class EngineMetrics:
     def executor_lost(self) -> None:
         self._l(self.executor_losses).inc()
 
+    def executor_reconnected(self) -> None:
+        self._l(self.executor_reconnects).inc()
+
+    def set_executor_states(self, counts: dict[str, int]) -> None:
+        for state in ("connecting", "healthy", "unhealthy", "draining"):
+            self.executors.labels(model_name=self.model_name, state=state).set(
+                counts.get(state, 0))
+
+    def failed_over(self) -> None:
+        self._l(self.failovers).inc()
+
+    def rebalanced(self) -> None:
+        self._l(self.rebalances).inc()
+
+    def placed(self, reason: str) -> None:
+        self.placements.labels(model_name=self.model_name, reason=reason).inc()
+
+    def set_waiting_for_executor(self, count: int) -> None:
+        self._l(self.waiting_for_executor).set(count)
+
+    def failover_resumed(self, seconds: float) -> None:
+        self._l(self.failover_pause).observe(seconds)
+
+    def scheduler_reset(self, key: str) -> None:
+        """An executor's scheduler was rebuilt: its cumulative counters start over."""
+        self._last.pop(key, None)
+
     def step_done(self, runner: ExecutorRunner, num_tokens: int, seconds: float, stats) -> None:
         """Refresh gauges and fold the scheduler's cumulative counters in after a step."""
         self._l(self.iteration_tokens).observe(num_tokens)
-        runners = runner.engine.runners
-        running = waiting = 0
+        running = waiting = connected = 0
         usage = 0.0
-        for r in runners:
+        for r in runner.engine.runners.values():
             if r.scheduler is not None:
                 s = r.scheduler.stats() if r is not runner else stats
                 running += s.num_running
                 waiting += s.num_waiting
                 usage += s.kv_usage
+                connected += 1
         self._l(self.running).set(running)
-        self._l(self.waiting).set(waiting)
-        self._l(self.kv_usage).set(usage / max(1, len(runners)))
+        self._l(self.waiting).set(waiting + len(runner.engine.waiting))
+        self._l(self.kv_usage).set(usage / max(1, connected))
         key = runner.address
         prev = self._last.get(key, (0, 0, 0))
         cur = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
-        if cur[0] < prev[0]:  # the scheduler was rebuilt (executor restarted)
+        if cur[0] < prev[0] or cur[2] < prev[2]:  # the scheduler was rebuilt
             prev = (0, 0, 0)
         self._l(self.prefix_queries).inc(cur[0] - prev[0])
         self._l(self.prefix_hits).inc(cur[1] - prev[1])

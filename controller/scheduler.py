@@ -145,6 +145,11 @@ class SchedulerBase(abc.ABC):
     def get_request(self, request_id: str) -> Request | None:
         """A live (unfinished) request, or None."""
 
+    def peek_prefix_hit(self, block_hashes: list[bytes], num_tokens: int) -> int:
+        """Tokens of a sequence (its full-block hashes, its length) this executor's prefix
+        cache would serve now, without side effects; placement uses it. 0 unless overridden."""
+        return 0
+
 
 class Scheduler(SchedulerBase):
     """The default scheduler: FCFS, or strict priority with `policy="priority"`.
@@ -181,6 +186,9 @@ class Scheduler(SchedulerBase):
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
+
+    def peek_prefix_hit(self, block_hashes: list[bytes], num_tokens: int) -> int:
+        return self.kv.peek_prefix_hit(block_hashes, num_tokens)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

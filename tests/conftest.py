@@ -208,3 +208,168 @@ class HFReference:
 @pytest.fixture(scope="session")
 def hf(default_model_dir) -> HFReference:
     return HFReference(default_model_dir)
+
+
+# --- Fleet helpers: executors on chosen addresses, controllers without fixed executors, -------
+# --- waiting for the fleet, and a local DNS server for discovery tests. ----------------------
+
+
+def executor_module_available(module: str) -> bool:
+    """Whether `python -m module` exists in this checkout (e.g. executor_tpu)."""
+    return os.path.exists(os.path.join(ROOT, module, "__main__.py"))
+
+
+def spawn_executor(module: str, model: str, tmp_dir: str, name: str, port: int | None = None,
+                   host: str = "127.0.0.1", extra=()) -> tuple[subprocess.Popen, int]:
+    """Start one executor process listening on host:port; returns (process, port)."""
+    port = port or free_port()
+    args = executor_command(module, model, port, [*extra, "--host", host])
+    return _spawn(args, os.path.join(tmp_dir, f"{name}.log")), port
+
+
+def spawn_controller(model: str, tmp_dir: str, args=(), name: str = "controller") -> LiveServer:
+    """Start a controller with the given flags (executors included) without waiting."""
+    http_port = free_port()
+    controller = _spawn(
+        ["-m", "controller", "--model", model, "--host", "127.0.0.1", "--port", str(http_port),
+         *args],
+        os.path.join(tmp_dir, f"{name}.log"),
+    )
+    return LiveServer(f"http://127.0.0.1:{http_port}", os.path.basename(model.rstrip("/")),
+                      controller, [], [], tmp_dir)
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.2, logs: str = ""):
+    """Poll `predicate` until it returns something truthy; fail with `what` after timeout."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            value = predicate()
+        except Exception:  # the server may not answer yet
+            value = None
+        if value:
+            return value
+        if time.time() > deadline:
+            tail = _tail_logs(logs) if logs else ""
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{tail}")
+        time.sleep(interval)
+
+
+def wait_healthy_executors(server: LiveServer, count: int, timeout: float = 300.0) -> list[dict]:
+    """Wait until at least `count` executors are healthy; return the executors' state."""
+    def ready():
+        state = server.executors_state()
+        return state if sum(e["healthy"] for e in state) >= count else None
+
+    return wait_until(ready, timeout, f"{count} healthy executors", logs=server.log_dir)
+
+
+class LocalDNSServer:
+    """A tiny DNS server on 127.0.0.1 for discovery tests.
+
+    Answers A queries for the names it holds (one record per address, TTL 0), NXDOMAIN for
+    other names, an empty answer for other types. Serves UDP and TCP on the same port; with
+    `truncate_over` set, a UDP answer with more records is sent truncated (TC), so that the
+    client must ask again over TCP.
+    """
+
+    def __init__(self, truncate_over: int = 0):
+        import threading
+
+        self.records: dict[str, list[str]] = {}  # lower-case name -> IPv4 addresses
+        self.truncate_over = truncate_over  # most A records in a UDP answer; 0 = no limit
+        self.queries = 0  # questions answered
+        self._udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._udp.bind(("127.0.0.1", 0))
+        self.port = self._udp.getsockname()[1]
+        self._tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._tcp.bind(("127.0.0.1", self.port))
+        self._tcp.listen(8)
+        self._closed = False
+        for target in (self._serve_udp, self._serve_tcp):
+            threading.Thread(target=target, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def set(self, name: str, addresses: list[str]) -> None:
+        self.records[name.lower().rstrip(".")] = list(addresses)
+
+    def _answer(self, query: bytes, udp: bool) -> bytes:
+        import struct
+
+        qid, flags = struct.unpack("!HH", query[:4])
+        pos, labels = 12, []
+        while query[pos]:
+            labels.append(query[pos + 1 : pos + 1 + query[pos]].decode().lower())
+            pos += 1 + query[pos]
+        qtype, _ = struct.unpack("!HH", query[pos + 1 : pos + 5])
+        question = query[12 : pos + 5]
+        name = ".".join(labels)
+        self.queries += 1
+        out_flags = 0x8400 | (flags & 0x0100)  # response, authoritative, recursion desired
+        if name not in self.records:
+            return struct.pack("!HHHHHH", qid, out_flags | 3, 1, 0, 0, 0) + question
+        addresses = self.records[name] if qtype == 1 else []
+        if udp and self.truncate_over and len(addresses) > self.truncate_over:
+            return struct.pack("!HHHHHH", qid, out_flags | 0x0200, 1, 0, 0, 0) + question
+        answers = b"".join(
+            struct.pack("!HHHIH", 0xC00C, 1, 1, 0, 4) + socket.inet_aton(a) for a in addresses
+        )
+        return struct.pack("!HHHHHH", qid, out_flags, 1, len(addresses), 0, 0) + question + answers
+
+    def _serve_udp(self) -> None:
+        while not self._closed:
+            try:
+                data, peer = self._udp.recvfrom(4096)
+                self._udp.sendto(self._answer(data, udp=True), peer)
+            except OSError:
+                return
+            except Exception:  # a malformed query: ignore it
+                continue
+
+    def _serve_tcp(self) -> None:
+        import struct
+
+        while not self._closed:
+            try:
+                conn, _ = self._tcp.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    (length,) = struct.unpack("!H", conn.recv(2))
+                    data = b""
+                    while len(data) < length:
+                        data += conn.recv(length - len(data))
+                    reply = self._answer(data, udp=False)
+                    conn.sendall(struct.pack("!H", len(reply)) + reply)
+                except Exception:  # a broken client: drop it
+                    continue
+
+    def close(self) -> None:
+        self._closed = True
+        self._udp.close()
+        self._tcp.close()
+
+
+# Fast failure detection for fleet tests: a check every 0.5 s, an executor is lost after 3
+# unanswered checks of 1 s (generous on a busy 2-core machine).
+FAST_HEALTH = ["--health-check-interval", "0.5", "--health-check-timeout", "1.0",
+               "--health-check-failures", "3", "--reconnect-backoff-max", "1.0"]
+
+
+@pytest.fixture(scope="session")
+def executor_pair(default_model_dir, tmp_path_factory) -> LiveServer:
+    """Two GPU executors (the CPU here) behind one controller, with fast failure detection.
+    Tests that kill or stop one must leave both healthy again."""
+    s = start_server(default_model_dir, str(tmp_path_factory.mktemp("pair")),
+                     controller_args=FAST_HEALTH, executor_kinds=("executor_gpu",) * 2)
+    wait_healthy_executors(s, 2)
+    yield s
+    for p in s.executors:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+    s.stop()

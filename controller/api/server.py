@@ -24,6 +24,9 @@ from controller.engine import Engine
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
+# What /health shows per executor (the admin endpoint shows everything).
+_HEALTH_FIELDS = ("address", "state", "healthy", "kind", "incarnation", "running", "waiting",
+                  "kv_usage", "used_blocks")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -79,21 +82,32 @@ def create_app(engine: Engine, serving: OpenAIServing, start_engine: bool = True
 
     @app.get("/v1/models")
     async def models():
+        states = engine.executors_state()
+        kinds: dict[str, int] = {}
+        for e in states:
+            if e["healthy"]:
+                kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
         return {"object": "list", "data": [{
             "id": serving.model_name, "object": "model", "created": int(time.time()),
             "owned_by": "tandem", "root": engine.config.model,
             "max_model_len": engine.max_model_len,
+            "executors": {"total": len(states), "healthy": sum(kinds.values()),
+                          "healthy_by_kind": kinds},
         }]}
 
     @app.get("/health")
     async def health():
+        states = engine.executors_state()
         state = {"status": "ok" if engine.healthy else "unavailable",
-                 "executors": engine.executors_state()}
+                 "healthy_executors": sum(e["healthy"] for e in states),
+                 "executors": [{k: e[k] for k in _HEALTH_FIELDS} for e in states]}
         return JSONResponse(state, status_code=200 if engine.healthy else 503)
 
     @app.get("/admin/executors")
     async def executors():
-        return {"executors": engine.executors_state()}
+        return {"executors": engine.executors_state(),
+                "requests_waiting_for_executor": len(engine.waiting),
+                "summary": engine.fleet_summary()}
 
     @app.get("/metrics")
     async def metrics():

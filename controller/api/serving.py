@@ -60,6 +60,11 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise APIError(f"The model `{model}` does not exist.", 404, "model", "model_not_found")
 
+    async def wait_for_executor(self) -> None:
+        """Hold the request until some executor is healthy; 503 after the fleet's timeout."""
+        if not await self.engine.wait_for_executor():
+            raise APIError(self.engine.no_executor_message(), 503, code="no_healthy_executor")
+
     def _check_logprobs(self, k: int | None, param: str) -> None:
         if k is not None and k > self.max_logprobs:
             raise APIError(f"{param} must be at most {self.max_logprobs}", 400, param)
@@ -155,15 +160,13 @@ class OpenAIServing:
             except Exception as exc:  # surfaced to the handler
                 queue.put_nowait((i, exc))
 
-        if not self.engine.healthy:
-            raise APIError("No executor is available to serve the request.", 503)
         tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
         try:
             remaining = len(gens)
             while remaining:
                 i, item = await queue.get()
                 if isinstance(item, NoExecutorError):
-                    raise APIError(str(item), 503)
+                    raise APIError(str(item), 503, code="no_healthy_executor")
                 if isinstance(item, Exception):
                     raise item
                 if item.finished:
@@ -225,6 +228,7 @@ class OpenAIServing:
         if req.best_of not in (None, req.n):
             raise APIError("best_of must equal n", 400, "best_of")
         self._check_logprobs(req.logprobs, "logprobs")
+        await self.wait_for_executor()
         prompts = self._completion_prompts(req)
         prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
         gens = self._generation_requests(req, prompts, req.max_tokens, req.logprobs, prompt_lp)
@@ -247,6 +251,7 @@ class OpenAIServing:
         if top is not None and not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", 400, "top_logprobs")
         self._check_logprobs(top, "top_logprobs")
+        await self.wait_for_executor()
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         try:
             text = self.tokenizer.apply_chat_template(
@@ -298,8 +303,6 @@ class OpenAIServing:
                                            "param": err.param, "code": err.code}})
             yield "data: [DONE]\n\n"
 
-        if not self.engine.healthy:
-            raise APIError("No executor is available to serve the request.", 503)
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 

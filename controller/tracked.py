@@ -1,0 +1,78 @@
+"""A generation request as the engine tracks it across executors, and its client deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from controller.detokenizer import OutputTextState
+from controller.outputs import GenerationRequest, OutputDelta
+from controller.request import Request
+from controller.scheduler import RequestUpdate
+
+if TYPE_CHECKING:
+    from controller.runner import ExecutorRunner
+
+
+@dataclass(eq=False)
+class Tracked:
+    """Engine-side state of one generation request, wherever it runs."""
+
+    gen: GenerationRequest  # what the API asked for
+    queue: asyncio.Queue  # OutputDelta items (or an exception) for the API handler
+    text: OutputTextState  # incremental detokenizer + stop strings
+    request: Request | None  # the scheduler's request (a new one on every placement)
+    arrival: float  # perf_counter at arrival
+    arrival_time: float = field(default_factory=time.monotonic)  # kept across moves (FCFS)
+    first_token_at: float = 0.0  # perf_counter of the first token
+    last_token_at: float = 0.0  # perf_counter of the latest token
+    prompt_logprobs_sent: int = 0  # prompt positions already streamed
+    prompt_logprobs_skip: int = 0  # positions a resumed request recomputes and must not resend
+    runner: ExecutorRunner | None = None  # where it is placed; None while waiting for one
+    placed_at: float = 0.0  # monotonic time of its latest placement
+    queued_hashes: list[bytes] = field(default_factory=list)  # its blocks announced to runner
+    expected_hit: int = 0  # tokens placement found cached for it there (admission reuses them)
+    num_moves: int = 0  # times moved to another executor (failover or rebalance)
+    lost_at: float = 0.0  # perf_counter when its executor was lost; 0 once resumed
+    waiting_since: float = 0.0  # monotonic time it started waiting for an executor
+    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache where it started
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Tokens generated so far (across moves)."""
+        return self.request.output_token_ids if self.request is not None else []
+
+
+def make_delta(tracked: Tracked, update: RequestUpdate) -> OutputDelta:
+    """The client's delta for one scheduler update: new text (a matched stop string ends the
+    request with "stop"), token ids, logprobs, and the prompt logprobs not sent before a move.
+    """
+    assert tracked.request is not None
+    finished, reason = update.finished, update.finish_reason
+    text, stopped = tracked.text.update(update.new_token_ids, finished)
+    if stopped and not finished:
+        finished, reason = True, "stop"
+    prompt_lps = update.prompt_logprobs or None
+    if prompt_lps and tracked.prompt_logprobs_skip:
+        skip = min(tracked.prompt_logprobs_skip, len(prompt_lps))
+        prompt_lps = prompt_lps[skip:]
+        tracked.prompt_logprobs_skip -= skip
+    tracked.prompt_logprobs_sent += len(prompt_lps or ())
+    req = tracked.request
+    if tracked.num_moves == 0:  # usage reports the prompt's hit where the request started
+        tracked.num_cached_tokens = min(req.num_cached_tokens, req.num_prompt_tokens)
+    return OutputDelta(
+        request_id=update.request_id,
+        text=text,
+        token_ids=list(update.new_token_ids),
+        logprobs=update.logprobs,
+        prompt_logprobs=prompt_lps or None,
+        finished=finished,
+        finish_reason=reason,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_output_tokens=req.num_output_tokens,
+        num_cached_tokens=tracked.num_cached_tokens,
+        error=update.error or "",
+    )

@@ -1,0 +1,33 @@
+# syntax=docker/dockerfile:1
+# Tandem GPU executor: CUDA torch (PyPI's torch wheels carry the CUDA libraries; the node's
+# driver comes in through the NVIDIA container runtime).
+# Build from the repository root: docker build -f docker/executor-gpu.Dockerfile -t tandem/executor-gpu .
+
+FROM python:3.11.13-slim-bookworm AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+COPY pyproject.toml ./
+COPY proto ./proto
+COPY common ./common
+COPY executor_gpu ./executor_gpu
+RUN pip install "grpcio-tools>=1.66" \
+ && python -m grpc_tools.protoc -Icommon/pb=proto --python_out=. --grpc_python_out=. proto/executor.proto \
+ && pip install ".[gpu]" \
+ && pip uninstall -y grpcio-tools
+
+FROM python:3.11.13-slim-bookworm
+LABEL org.opencontainers.image.title="tandem-executor-gpu" \
+      org.opencontainers.image.description="Tandem GPU executor (CUDA torch, gRPC)" \
+      org.opencontainers.image.licenses="Apache-2.0"
+RUN groupadd --system --gid 10001 tandem \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
+      --shell /usr/sbin/nologin tandem
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp \
+    NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
+WORKDIR /opt/tandem
+USER 10001:10001
+EXPOSE 50051
+ENTRYPOINT ["python", "-m", "executor_gpu"]

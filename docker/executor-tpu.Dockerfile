@@ -1,0 +1,35 @@
+# syntax=docker/dockerfile:1
+# Tandem TPU executor: torch + torch_xla with libtpu (torch_xla's "tpu" extra), PJRT on TPU.
+# Build from the repository root: docker build -f docker/executor-tpu.Dockerfile -t tandem/executor-tpu .
+
+FROM python:3.11.13-slim-bookworm AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+COPY pyproject.toml ./
+COPY proto ./proto
+COPY common ./common
+COPY executor_tpu ./executor_tpu
+# torch_xla must match torch's version (pyproject's tpu extra pins both); [tpu] adds libtpu.
+RUN pip install "grpcio-tools>=1.66" \
+ && python -m grpc_tools.protoc -Icommon/pb=proto --python_out=. --grpc_python_out=. proto/executor.proto \
+ && pip install ".[tpu]" "torch_xla[tpu]==2.9.0" \
+ && pip uninstall -y grpcio-tools
+
+FROM python:3.11.13-slim-bookworm
+LABEL org.opencontainers.image.title="tandem-executor-tpu" \
+      org.opencontainers.image.description="Tandem TPU executor (torch_xla, libtpu, gRPC)" \
+      org.opencontainers.image.licenses="Apache-2.0"
+RUN groupadd --system --gid 10001 tandem \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
+      --shell /usr/sbin/nologin tandem
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp \
+    PJRT_DEVICE=TPU
+WORKDIR /opt/tandem
+# Non-root by default; on nodes whose TPU device files only root may open, the chart's tpu
+# pool runs the container as uid 0 (values: tpu.securityContext).
+USER 10001:10001
+EXPOSE 50051
+ENTRYPOINT ["python", "-m", "executor_tpu"]

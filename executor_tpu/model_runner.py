@@ -1,0 +1,336 @@
+"""TPUModelRunner: the shared torch runner on an XLA device, with static shapes.
+
+A step (after the shared diff handling) runs as three precompiled XLA programs:
+
+1. forward — the step padded to a (token bucket, request bucket) pair (see static_batch):
+   embeddings, layers with static paged attention and KV writes, final norm, logits of each
+   row's last token, and per-row finiteness;
+2. sampling — one of the variants of executor_tpu.sampler for the request bucket;
+3. prompt logprobs — only on steps that ask for them, for the token bucket.
+
+Inputs are built on the host and moved in one batch; the packed results come back in one copy
+(two when prompt logprobs were asked for). The KV tensors are donated to the forward program,
+which updates them in place instead of copying the cache every step. ``capture_model`` runs
+every (bucket pair, variant) once so that serving compiles nothing; ``CompileWatch`` checks
+that after each step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+
+import numpy as np
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
+
+from common.config import Capabilities, ExecutorConfig, KVCacheSpec, ModelGeometry
+from common.input_batch import ScheduledRow
+from common.sampling import seed_key
+from common.step_types import SamplingParams
+from common.torch_runner import RowResults, TorchModelRunner, prompt_logprob_count
+from executor_tpu.attention import (
+    StaticAttentionMetadata,
+    kernel_layout,
+    plain_layout,
+)
+from executor_tpu.compile_watch import CompileWatch, persistent_cache_counters
+from executor_tpu.options import TPUOptions
+from executor_tpu.sampler import (
+    VARIANTS,
+    SampleVariant,
+    SamplingInputs,
+    build_sampling_inputs,
+    sample,
+    token_logprobs,
+    unpack_logprobs,
+)
+from executor_tpu.static_batch import (
+    BucketPlan,
+    StaticStep,
+    build_static_step,
+    pick_bucket,
+    plan_buckets,
+)
+
+log = logging.getLogger(__name__)
+
+#: Sampling parameters whose rows select each sampling variant during warm-up.
+_VARIANT_PARAMS = {
+    "greedy": SamplingParams(),
+    "topk": SamplingParams(temperature=1.0, top_k=5, logprobs=1),
+    "sort": SamplingParams(temperature=1.0, top_p=0.9),
+}
+_ADJUST = dict(presence_penalty=0.1, repetition_penalty=1.1, min_tokens=1, stop_token_ids=[0])
+#: Mixed into the executor seed for the noise keys of unseeded rows.
+_UNSEEDED_SALT = 0x5DEECE66D
+
+
+def is_tpu(device: torch.device) -> bool:
+    """Whether an XLA device is a TPU."""
+    return xm.xla_device_hw(device) == "TPU"
+
+
+def kernel_available() -> bool:
+    """Whether the ragged paged attention kernel can be built (it is traced with JAX/Pallas:
+    torch_xla's ``pallas`` extra)."""
+    if importlib.util.find_spec("jax") is not None:
+        return True
+    log.warning("jax is not installed (pip install 'torch_xla[tpu,pallas]==2.9.0'): the TPU "
+                "runs the static gather attention instead of the ragged paged kernel")
+    return False
+
+
+class TPUModelRunner(TorchModelRunner):
+    """Runs steps of a Llama-family model on a TPU (or XLA:CPU) with precompiled shapes."""
+
+    def __init__(self, config: ExecutorConfig, geometry: ModelGeometry, options: TPUOptions,
+                 device: torch.device):
+        super().__init__(config, geometry, device, batch_device="cpu")
+        self.options = options  # buckets, attention, layout, cache
+        attention = options.attention
+        if attention == "auto":
+            attention = "ragged" if is_tpu(device) and kernel_available() else "gather"
+        self.attention_backend = f"xla_{attention}"
+        padded = options.kv_layout == "padded" or (options.kv_layout == "auto"
+                                                   and attention == "ragged")
+        dtype_bytes = torch.empty(0, dtype=self.dtype).element_size()
+        self.layout = kernel_layout(geometry.num_kv_heads, geometry.head_dim, dtype_bytes) \
+            if padded else plain_layout(geometry.num_kv_heads, geometry.head_dim)
+        self.compile_watch = CompileWatch()  # compilations during / after warm-up
+        self.max_blocks = self._table_width()  # block-table width (fixed per warm-up)
+        self._unseeded_draws = 0  # noise keys handed to unseeded rows since reset()
+
+    # --- shapes ---------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> BucketPlan:
+        """The buckets for the controller's current step limits."""
+        return plan_buckets(self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                            self.options.token_buckets, self.options.request_buckets)
+
+    def _table_width(self) -> int:
+        return -(-self.geometry.max_model_len // self.config.block_size)
+
+    def get_capabilities(self) -> Capabilities:
+        """Chunked prefill as configured, plus the buckets (the scheduler sizes steps to
+        fit the largest)."""
+        plan = self.plan
+        return Capabilities(chunked_prefill=self.config.chunked_prefill,
+                            max_tokens_per_step=plan.max_tokens,
+                            token_buckets=list(plan.token_buckets),
+                            request_buckets=list(plan.request_buckets),
+                            max_num_seqs=plan.max_seqs, max_logprobs=self.config.max_logprobs)
+
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        """Block size and bytes of the (possibly padded) layout."""
+        spec = super().get_kv_cache_spec()
+        shape = self.layout.shape(1, self.config.block_size)
+        dtype_bytes = torch.empty(0, dtype=self.dtype).element_size()
+        spec.bytes_per_block = int(np.prod(shape)) * dtype_bytes * self.geometry.num_layers
+        return spec
+
+    # --- hooks of the shared runner -------------------------------------------------------
+
+    def load_device(self) -> str:
+        """Weights are read on the host, then moved (one transfer per tensor)."""
+        return "cpu"
+
+    def place_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = model.to(self.device)
+        torch_xla.sync()
+        return model
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return self.layout.shape(num_blocks, self.config.block_size)
+
+    def after_kv_cache_allocated(self) -> None:
+        torch_xla.sync()
+        self.max_blocks = self._table_width()
+
+    def reset(self) -> None:
+        """Forget every request and restart the unseeded noise keys."""
+        super().reset()
+        self._unseeded_draws = 0
+
+    # --- steps ----------------------------------------------------------------------------
+
+    def run_rows(self, rows: list[ScheduledRow]) -> RowResults:
+        """Pad the rows to their buckets, run the precompiled programs, unpack the results."""
+        plan = self.plan
+        num_tokens = sum(r.num_scheduled for r in rows)
+        step = build_static_step(rows, pick_bucket(num_tokens, plan.token_buckets),
+                                 pick_bucket(len(rows), plan.request_buckets), self.max_blocks,
+                                 self.config.block_size)
+        sampling = self._sampling_inputs(rows, step.request_bucket)
+        packed, prompt = self._execute(step, sampling,
+                                       any(r.num_prompt_logprobs for r in rows))
+        self.compile_watch.check(f"a step of {num_tokens} tokens x {len(rows)} requests "
+                                 f"(buckets {step.token_bucket} x {step.request_bucket}, "
+                                 f"sampling {sampling.variant})")
+        return self._unpack(step, sampling, packed, prompt)
+
+    def _sampling_inputs(self, rows: list[ScheduledRow], request_bucket: int,
+                         variant: SampleVariant | None = None) -> SamplingInputs:
+        keys = []
+        for _ in rows:
+            keys.append(seed_key(self.config.seed ^ _UNSEEDED_SALT, self._unseeded_draws))
+            self._unseeded_draws += 1
+        return build_sampling_inputs(
+            [r.state.sampling for r in rows], [r.state.token_ids for r in rows],
+            [r.state.num_prompt_tokens for r in rows], request_bucket,
+            self.geometry.vocab_size, self.geometry.max_model_len, self.config.max_logprobs,
+            keys, variant)
+
+    def _execute(self, step: StaticStep, sampling: SamplingInputs,
+                 with_prompt_logprobs: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """Move the inputs, run forward / sampling / prompt logprobs, fetch the results."""
+        d, hidden, logits, row_ok = self.forward_step({**step.arrays(), **sampling.arrays()})
+        packed = sample(logits, row_ok, d, sampling.variant, self.config.max_logprobs)
+        torch_xla.sync()
+        prompt = None
+        if with_prompt_logprobs:
+            prompt = token_logprobs(self.model.compute_logits(hidden), d["prompt_lp_targets"],
+                                    self.config.max_logprobs)
+            torch_xla.sync()
+        return packed.cpu().numpy(), None if prompt is None else prompt.cpu().numpy()
+
+    def forward_step(self, arrays: dict[str, np.ndarray]):
+        """Move ``arrays`` (a StaticStep's, plus anything later programs read) in one batch and
+        run the forward program; returns (device inputs by name, hidden [T, H], last-token
+        logits [R, V], row finiteness [R]), all materialized on the device."""
+        moved = xm.send_cpu_data_to_device([torch.from_numpy(a) for a in arrays.values()],
+                                           self.device)
+        d = dict(zip(arrays, moved))
+        # The KV tensors are updated in place: donate their buffers to the forward program's
+        # outputs, or every step would copy the whole cache.
+        for cache in self.kv_caches:
+            torch_xla._XLAC._set_buffer_donation(cache, True)
+        hidden, logits, row_ok = self._forward(d)
+        with alias_with_buffer_donor_config():
+            torch_xla.sync()
+        return d, hidden, logits, row_ok
+
+    def _forward(self, d: dict[str, torch.Tensor]):
+        """Hidden states [T, H], last-token logits [R, V] and row finiteness [R]."""
+        meta = StaticAttentionMetadata(
+            slot_mapping=d["slot_mapping"], positions=d["positions"],
+            token_rows=d["token_rows"], block_tables=d["block_tables"], seq_lens=d["seq_lens"],
+            query_start_loc=d["query_start_loc"], num_seqs=d["num_seqs"],
+            block_size=self.config.block_size, layout=self.layout)
+        hidden = self.model(d["input_ids"], d["positions"], meta)
+        logits = self.model.compute_logits(hidden.index_select(0, d["logits_indices"]))
+        rows = logits.shape[0]
+        bad = (~hidden.float().sum(dim=-1).isfinite()).float()
+        per_row = torch.zeros(rows + 1, device=hidden.device).index_add(0, d["token_rows"], bad)
+        row_ok = (per_row[:rows] == 0) & logits.sum(dim=-1).isfinite()
+        return hidden, logits, row_ok
+
+    def _unpack(self, step: StaticStep, sampling: SamplingInputs, packed: np.ndarray,
+                prompt: np.ndarray | None) -> RowResults:
+        rows = step.rows
+        results = RowResults.empty(len(rows))
+        qsl = step.query_start_loc
+        for i, row in enumerate(rows):
+            if packed[i, 1] < 0.5:
+                results.failed.add(i)
+                continue
+            if row.samples:
+                token = int(packed[i, 0])
+                results.sampled[i] = token
+                k = sampling.num_logprobs[i]
+                if k is not None:
+                    results.logprobs[i] = unpack_logprobs(packed[i, 2:], token, k)
+            if prompt is not None and row.num_prompt_logprobs:
+                k = prompt_logprob_count(row, self.config.max_logprobs)
+                start, c = int(qsl[i]), row.num_computed
+                results.prompt_logprobs[i] = [
+                    unpack_logprobs(prompt[start + j], row.state.token_ids[c + 1 + j], k)
+                    for j in range(row.num_prompt_logprobs)]
+        return results
+
+    # --- warm-up and profiling ------------------------------------------------------------
+
+    def _run_fabricated(self, num_tokens: int, token_bucket: int, request_bucket: int,
+                        variant: SampleVariant, prompt_logprobs: bool) -> None:
+        """One fabricated row (null blocks only) padded to the given shapes."""
+        params = _VARIANT_PARAMS[variant.kind]
+        if variant.adjust:
+            params = SamplingParams(**{**params.__dict__, **_ADJUST})
+        tokens = max(1, min(num_tokens, token_bucket,
+                            self.max_blocks * self.config.block_size - 1))
+        rows = self.dummy_rows(tokens, 1, 0, params)
+        step = build_static_step(rows, token_bucket, request_bucket, self.max_blocks,
+                                 self.config.block_size)
+        sampling = self._sampling_inputs(rows, request_bucket, variant)
+        self._execute(step, sampling, prompt_logprobs)
+
+    def dummy_run(self, num_tokens: int, num_reqs: int) -> None:
+        """A greedy step of fabricated tokens padded like a real one of that size."""
+        plan = self.plan
+        with torch.no_grad():
+            self._run_fabricated(num_tokens, pick_bucket(num_tokens, plan.token_buckets),
+                                 pick_bucket(num_reqs, plan.request_buckets), VARIANTS[0],
+                                 False)
+
+    def capture_model(self) -> int:
+        """Compile every forward shape, sampling variant and prompt-logprob shape; returns the
+        XLA programs compiled."""
+        plan = self.plan
+        pairs = plan.pairs()
+        total = len(pairs) + len(plan.request_buckets) * (len(VARIANTS) - 1)
+        log.info("warm-up: %d runs: forward for %d shapes (tokens %s x requests %s) with "
+                 "prompt logprobs per token bucket, then %d sampling variants per request "
+                 "bucket", total, len(pairs), plan.token_buckets, plan.request_buckets,
+                 len(VARIANTS))
+        self.compile_watch.start_warmup()
+        started = time.perf_counter()
+        done = 0
+        with torch.no_grad():
+            seen_tokens: set[int] = set()
+            for t, r in pairs:
+                t0 = time.perf_counter()
+                self._run_fabricated(t, t, r, VARIANTS[0], t not in seen_tokens)
+                seen_tokens.add(t)
+                done += 1
+                log.info("warm-up %d/%d: forward %d tokens x %d requests (%.1fs)", done, total,
+                         t, r, time.perf_counter() - t0)
+            for r in plan.request_buckets:
+                t = min(tt for tt, rr in pairs if rr == r)
+                for variant in VARIANTS[1:]:
+                    t0 = time.perf_counter()
+                    self._run_fabricated(1, t, r, variant, False)
+                    done += 1
+                    log.info("warm-up %d/%d: sampling %s%s x %d requests (%.1fs)", done, total,
+                             variant.kind, " + penalties" if variant.adjust else "", r,
+                             time.perf_counter() - t0)
+        seconds = time.perf_counter() - started
+        compiled = self.compile_watch.end_warmup(seconds)
+        self._unseeded_draws = 0
+        log.info("warm-up done in %.1fs: %d XLA programs compiled (%.1fs in the compiler); "
+                 "persistent cache %s", seconds, compiled,
+                 self.compile_watch.warmup_compile_seconds, persistent_cache_counters())
+        return compiled
+
+    def profile_run(self) -> int:
+        """The largest shape with a throwaway cache of one sequence's blocks; returns the peak
+        device bytes beyond the weights (TPU memory statistics)."""
+        plan = self.plan
+        saved, saved_blocks = self.kv_caches, self.num_blocks
+        self.initialize_kv_cache(self.max_blocks + 1)
+        try:
+            with torch.no_grad():
+                self._run_fabricated(plan.token_buckets[-1], plan.token_buckets[-1],
+                                     plan.request_buckets[-1], SampleVariant("sort", True),
+                                     True)
+            info = xm.get_memory_info(self.device)
+            peak = int(info.get("peak_bytes_used", info.get("bytes_used", 0)))
+        finally:
+            cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
+            self.kv_caches, self.num_blocks = saved, saved_blocks
+            self.model.bind_kv_cache(saved or None)
+            self._unseeded_draws = 0
+        return max(0, peak - self.weights_bytes - cache_bytes)

@@ -1,0 +1,112 @@
+"""TPUWorker: binds a PJRT device (a TPU, or the host CPU for development), sizes the KV cache,
+warms up every static shape, runs steps."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from common.config import ExecutorConfig, MemoryProfile
+from common.models import load_model_geometry
+from common.step_types import StepInput, StepOutput
+from common.worker_base import WorkerBase
+from executor_tpu.options import TPUOptions, resolve_cache_dir, select_pjrt_device
+
+log = logging.getLogger(__name__)
+
+#: KV-cache budget on XLA:CPU when the configuration gives none.
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+#: Longest sequence on XLA:CPU unless --max-model-len says otherwise: the static gather
+#: attention costs every step (tokens x max_model_len), which the CPU feels.
+DEFAULT_CPU_MAX_MODEL_LEN = 1024
+
+
+def _init_compile_cache(path: str) -> None:
+    """Turn on torch_xla's persistent compilation cache (before any XLA computation)."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    if torch_xla._XLAC._xla_computation_cache_is_initialized():
+        log.warning("XLA computation cache already initialized; persistent cache %s not used",
+                    path)
+        return
+    xr.initialize_cache(path, readonly=False)
+    log.info("persistent XLA compilation cache: %s", path)
+
+
+class TPUWorker(WorkerBase):
+    """The worker of a TPU executor; runs on XLA:CPU (``PJRT_DEVICE=CPU``) for development."""
+
+    device_kind = "tpu"
+
+    def __init__(self, config: ExecutorConfig, options: TPUOptions | None = None):
+        super().__init__(config)
+        self.options = options or TPUOptions()  # buckets, attention, cache
+        self.pjrt_device = ""  # "TPU" or "CPU", set by init_device()
+
+    def init_device(self) -> None:
+        """Choose the PJRT device, turn on the compilation cache, bind the XLA device, read
+        the model geometry and create the runner."""
+        self.pjrt_device = select_pjrt_device(self.config.device)
+        cache_dir = resolve_cache_dir(self.options.compile_cache_dir, self.pjrt_device)
+        if cache_dir:
+            _init_compile_cache(cache_dir)
+        import torch_xla
+
+        from executor_tpu.model_runner import TPUModelRunner, is_tpu
+
+        device = torch_xla.device()
+        if is_tpu(device):
+            import torch_xla.runtime as xr
+
+            self.device_name = f"TPU ({xr.global_runtime_device_count()} chips)"
+        else:
+            self.device_name = "XLA:CPU (PJRT_DEVICE=CPU)"
+            if self.config.max_model_len == 0:
+                self.config.max_model_len = DEFAULT_CPU_MAX_MODEL_LEN
+                log.info("XLA:CPU: max_model_len %d (set --max-model-len to change it)",
+                         DEFAULT_CPU_MAX_MODEL_LEN)
+        if self.config.num_threads > 0:
+            torch.set_num_threads(self.config.num_threads)
+        self.device = device  # the bound XLA device
+        geometry = load_model_geometry(self.config.model, self.config.max_model_len,
+                                       self.config.served_model_name)
+        self.model_runner = TPUModelRunner(self.config, geometry, self.options, device)
+        log.info("bound %s; attention %s, KV layout %s", self.device_name,
+                 self.model_runner.attention_backend, self.model_runner.layout)
+
+    def determine_available_memory(self) -> MemoryProfile:
+        """On a TPU: total * gpu_memory_utilization (the device share) minus the weights and
+        the peak of a profile run at the largest bucket, from ``xm.get_memory_info``. On
+        XLA:CPU: ``config.kv_cache_bytes`` or 2 GiB."""
+        import torch_xla.core.xla_model as xm
+
+        from executor_tpu.model_runner import TPUModelRunner, is_tpu
+
+        runner = self.model_runner
+        assert isinstance(runner, TPUModelRunner) and runner.get_model() is not None
+        if not is_tpu(self.device):
+            budget = self.config.kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+            return MemoryProfile(available_kv_bytes=budget, weights_bytes=runner.weights_bytes,
+                                 peak_activation_bytes=0)
+        peak = runner.profile_run()
+        limit = int(xm.get_memory_info(self.device)["bytes_limit"])
+        available = int(limit * self.config.gpu_memory_utilization) - runner.weights_bytes \
+            - peak
+        log.info("KV budget %.2f GiB (HBM %.2f GiB, weights %.2f GiB, peak activations "
+                 "%.2f GiB)", available / 2**30, limit / 2**30, runner.weights_bytes / 2**30,
+                 peak / 2**30)
+        return MemoryProfile(available_kv_bytes=max(0, available),
+                             weights_bytes=runner.weights_bytes, peak_activation_bytes=peak)
+
+    def compile_or_warm_up_model(self) -> int:
+        """Precompile every shape (unless enforce_eager) without autograd."""
+        with torch.no_grad():
+            return super().compile_or_warm_up_model()
+
+    def execute_model(self, step: StepInput) -> StepOutput:
+        """Run one step on the runner without autograd."""
+        assert self.model_runner is not None
+        with torch.no_grad():
+            return self.model_runner.execute_model(step)
