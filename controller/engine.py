@@ -25,7 +25,7 @@ from controller.discovery import Discovery
 from controller.kv_cache import hash_token_blocks
 from controller.metrics import EngineMetrics
 from controller.outputs import GenerationRequest, OutputDelta
-from controller.placement import PlacementPolicy, PlacementQuery
+from controller.placement import PlacementPolicy, PlacementQuery, candidate_of
 from controller.report import executor_report
 from controller.request import Request
 from controller.runner import ExecutorRunner, RunnerState
@@ -116,11 +116,19 @@ class Engine:
         self._refresh_limits()
         self.fleet_changed()
 
-    def request_done(self, tracked: Tracked) -> None:
-        """A request finished: update the expected output length."""
-        if tracked.request is not None:
-            n = tracked.request.num_output_tokens
-            self._expected_output = 0.9 * self._expected_output + 0.1 * n
+    def request_done(self, tracked: Tracked, reason: str | None, address: str,
+                     now: float) -> None:
+        """A request finished on an executor: metrics, the expected output length, a log line."""
+        self.metrics.request_finished(reason, tracked, now)
+        req = tracked.request
+        if req is None:
+            return
+        self._expected_output = 0.9 * self._expected_output + 0.1 * req.num_output_tokens
+        log.info(
+            "request %s finished (%s) on %s: %d prompt tokens (%d cached), %d generated, %.2fs",
+            tracked.gen.request_id, reason, address, req.num_prompt_tokens,
+            req.num_cached_tokens, req.num_output_tokens, now - tracked.arrival,
+        )
 
     def check_compatible(self, runner: ExecutorRunner, info: DeviceInfo) -> None:
         """Refuse an executor that serves a different model than the fleet."""
@@ -269,7 +277,7 @@ class Engine:
             reference_batch=1.0 + sum(len(r.tracked) for r in healthy) / max(len(healthy), 1),
         )
         decision = self.policy.choose(
-            query, [r.candidate(hashes[r.block_size], n, expected) for r in runners]
+            query, [candidate_of(r, hashes[r.block_size], n, expected) for r in runners]
         )
         assert decision is not None
         runner = self.runners[decision.key]

@@ -30,6 +30,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from controller.request import RequestStatus
+
+if TYPE_CHECKING:
+    from controller.runner import ExecutorRunner
 
 # Where the prior's second pseudo-step sits (tokens), so that the prior pins a slope.
 _PRIOR_TOKENS = 256
@@ -213,3 +219,40 @@ class PlacementPolicy:
             if aff_latency - best_latency <= self.affinity_max_wait:
                 return PlacementDecision(aff.key, "affinity", top, aff_latency, best_latency)
         return PlacementDecision(best.key, "load", best.prefix_hit, best_latency, best_latency)
+
+
+def backlog_of(runner: ExecutorRunner, expected_output: float) -> tuple[int, int]:
+    """(tokens not computed yet, output tokens still expected) of the requests on a runner."""
+    uncomputed = decode = 0
+    for t in runner.tracked.values():
+        req = t.request
+        if req is not None:
+            done = req.num_computed_tokens
+            if req.status is RequestStatus.WAITING:  # its prefix hit will be reused
+                done = max(done, t.expected_hit)
+            uncomputed += max(req.num_tokens - done, 0)
+            decode += min(req.max_tokens - req.num_output_tokens, int(expected_output))
+    return uncomputed, decode
+
+
+def candidate_of(runner: ExecutorRunner, hashes: list[bytes], num_tokens: int,
+                 expected_output: float) -> Candidate:
+    """A runner as a placement candidate for a sequence with these block hashes."""
+    assert runner.scheduler is not None
+    stats = runner.scheduler.stats()
+    overhead, per_token = runner.cost.coefficients()
+    uncomputed, decode = backlog_of(runner, expected_output)
+    return Candidate(
+        key=runner.address,
+        prefix_hit=runner.prefix_hit(hashes, num_tokens),
+        num_requests=len(runner.tracked),
+        uncomputed_tokens=uncomputed,
+        decode_tokens=decode,
+        max_num_seqs=runner.scheduler.config.max_num_seqs,
+        max_num_batched_tokens=runner.max_num_batched_tokens,
+        free_blocks=runner.num_blocks - 1 - stats.num_used_blocks,
+        block_size=runner.block_size,
+        overhead=overhead,
+        per_token=per_token,
+        placed=runner.requests_placed,
+    )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from controller.placement import backlog_of
+
 if TYPE_CHECKING:
     from controller.runner import ExecutorRunner
 
@@ -31,7 +33,7 @@ def executor_report(runner: ExecutorRunner) -> dict:
         "requests": len(runner.tracked),
         "running": stats.num_running if stats else 0,
         "waiting": stats.num_waiting if stats else 0,
-        "uncomputed_tokens": runner.backlog(0)[0],
+        "uncomputed_tokens": backlog_of(runner, 0)[0],
         "kv_usage": stats.kv_usage if stats else 0.0,
         "used_blocks": stats.num_used_blocks if stats else 0,
         "step_overhead_ms": round(overhead * 1e3, 3),

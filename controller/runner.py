@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from common.config import DeviceInfo
 from controller.executor_client import ExecutorClient, ExecutorLost
 from controller.health import HealthMonitor
-from controller.placement import Candidate, StepCostModel
+from controller.placement import StepCostModel
 from controller.request import RequestStatus
 from controller.scheduler import (
     RequestUpdate,
@@ -121,41 +121,6 @@ class ExecutorRunner:
                 break
             queued += 1
         return max(cached, queued * self.block_size)
-
-    def backlog(self, expected_output: float) -> tuple[int, int]:
-        """(tokens not computed yet, output tokens still expected) of the requests here."""
-        uncomputed = decode = 0
-        for t in self.tracked.values():
-            req = t.request
-            if req is not None:
-                done = req.num_computed_tokens
-                if req.status is RequestStatus.WAITING:  # its prefix hit will be reused
-                    done = max(done, t.expected_hit)
-                uncomputed += max(req.num_tokens - done, 0)
-                decode += min(req.max_tokens - req.num_output_tokens, int(expected_output))
-        return uncomputed, decode
-
-    def candidate(self, hashes: list[bytes], num_tokens: int,
-                  expected_output: float) -> Candidate:
-        """This executor as a placement candidate for a sequence."""
-        assert self.scheduler is not None
-        stats = self.scheduler.stats()
-        overhead, per_token = self.cost.coefficients()
-        uncomputed, decode = self.backlog(expected_output)
-        return Candidate(
-            key=self.address,
-            prefix_hit=self.prefix_hit(hashes, num_tokens),
-            num_requests=len(self.tracked),
-            uncomputed_tokens=uncomputed,
-            decode_tokens=decode,
-            max_num_seqs=self.scheduler.config.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            free_blocks=self.num_blocks - 1 - stats.num_used_blocks,
-            block_size=self.block_size,
-            overhead=overhead,
-            per_token=per_token,
-            placed=self.requests_placed,
-        )
 
     def prefix_counters(self) -> tuple[int, int]:
         """Prefix-cache (queries, hits) in tokens, over every session with this executor."""
@@ -423,12 +388,4 @@ class ExecutorRunner:
         tracked.queue.put_nowait(delta)
         if delta.finished:
             self._detach(tracked)
-            metrics.request_finished(delta.finish_reason, tracked, now)
-            self.engine.request_done(tracked)
-            req = tracked.request
-            log.info(
-                "request %s finished (%s) on %s: %d prompt tokens (%d cached), %d generated, "
-                "%.2fs", update.request_id, delta.finish_reason, self.address,
-                req.num_prompt_tokens, req.num_cached_tokens, req.num_output_tokens,
-                now - tracked.arrival,
-            )
+            self.engine.request_done(tracked, delta.finish_reason, self.address, now)
