@@ -281,22 +281,27 @@ def test_logprobs_and_prompt_logprobs_match_hf(runner, hf_model, prompts):
     assert abs(first.logprob - ref[len(prompt) - 1].max().item()) < 1e-3
 
 
-@needs_model
-def test_seeded_sampling_survives_recompute(runner, prompts):
+def assert_seeded_sampling_survives_recompute(runner, prompt: list[int]) -> None:
+    """A seeded request preempted after 4 tokens and resumed by recompute (sent whole, as
+    new) samples the same 10 tokens as an uninterrupted run."""
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
     runner.reset()
     ctl = MiniController(runner, budget=64)
-    whole = ctl.add("s", prompts[1], params, max_tokens=10)
+    whole = ctl.add("s", prompt, params, max_tokens=10)
     ctl.run()
-    # Again, preempted after 4 tokens and resumed by recompute (sent whole, as new).
     runner.reset()
     ctl = MiniController(runner, budget=64)
-    part = ctl.add("s", prompts[1], params, max_tokens=4)
+    part = ctl.add("s", prompt, params, max_tokens=4)
     ctl.run()
-    resumed = ctl.add("s", prompts[1], params, max_tokens=10, output=part.output)
+    resumed = ctl.add("s", prompt, params, max_tokens=10, output=part.output)
     ctl.run()
     assert resumed.output == whole.output
     assert len(set(whole.output)) > 1
+
+
+@needs_model
+def test_seeded_sampling_survives_recompute(runner, prompts):
+    assert_seeded_sampling_survives_recompute(runner, prompts[1])
 
 
 @needs_model

@@ -32,7 +32,12 @@ from executor_tpu.options import TPUOptions  # noqa: E402
 from executor_tpu.sampler import VARIANTS  # noqa: E402
 from executor_tpu.static_batch import build_static_step, pick_bucket  # noqa: E402
 from executor_tpu.worker import TPUWorker  # noqa: E402
-from tests.test_model import MODEL_DIR, MiniController, needs_model  # noqa: E402
+from tests.test_model import (  # noqa: E402
+    MODEL_DIR,
+    MiniController,
+    assert_seeded_sampling_survives_recompute,
+    needs_model,
+)
 
 BLOCK = 16
 LOGIT_TOL = 1e-3
@@ -182,19 +187,7 @@ def test_logprobs_and_prompt_logprobs_match_transformers(tpu, hf, prompts):
 
 
 def test_seeded_sampling_survives_recompute(tpu, prompts):
-    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)  # the "sort" variant
-    tpu.reset()
-    ctl = MiniController(tpu, budget=64)
-    whole = ctl.add("s", prompts[1], params, max_tokens=10)
-    ctl.run()
-    tpu.reset()
-    ctl = MiniController(tpu, budget=64)
-    part = ctl.add("s", prompts[1], params, max_tokens=4)
-    ctl.run()
-    resumed = ctl.add("s", prompts[1], params, max_tokens=10, output=part.output)
-    ctl.run()
-    assert resumed.output == whole.output
-    assert len(set(whole.output)) > 1
+    assert_seeded_sampling_survives_recompute(tpu, prompts[1])  # the "sort" variant (top_p)
 
 
 def test_every_sampling_variant_runs_precompiled(tpu, prompts):
