@@ -13,6 +13,7 @@ import time
 import uuid
 
 from common.config import DeviceInfo, ExecutorConfig, KVCacheSpec, MemoryProfile
+from common.executor_metrics import ExecutorMetrics
 from common.model_runner_base import ModelRunnerBase
 from common.step_types import StepInput, StepOutput
 
@@ -33,6 +34,7 @@ class WorkerBase(abc.ABC):
         self.cache_initialized = False  # True after initialize_cache()
         self._profiler = None  # torch profiler while profile(True) is active
         self._model_max_len = 0  # the checkpoint's own max length, before configure()
+        self.metrics = ExecutorMetrics(self)  # step and memory metrics (the metrics port)
 
     # --- common -------------------------------------------------------------------------
 
@@ -115,6 +117,15 @@ class WorkerBase(abc.ABC):
             self._profiler.__exit__(None, None, None)
             self._profiler.export_chrome_trace(f"{trace_dir}-{self.incarnation_id}.json")
             self._profiler = None
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes by kind for the memory metric: weights, kv_cache, and (subclasses) the
+        device's used/total."""
+        runner = self.model_runner
+        usage = {"weights": getattr(runner, "weights_bytes", 0)}
+        caches = getattr(runner, "kv_caches", None) or []
+        usage["kv_cache"] = sum(c.numel() * c.element_size() for c in caches)
+        return usage
 
     def check_health(self) -> bool:
         """True while the worker can serve steps."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import AsyncIterator
 
 from common.config import DeviceInfo
@@ -59,6 +58,7 @@ class Engine:
         self._reference: DeviceInfo | None = None  # the first executor's model, for checks
         self._kick = asyncio.Event()  # wakes the maintenance loop
         self._tasks: list[asyncio.Task] = []  # discovery and maintenance loops
+        self.metrics.watch(self)
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -96,13 +96,8 @@ class Engine:
         for address, runner in list(self.runners.items()):
             if address not in found:
                 runner.leave()
-        self.fleet_changed()
 
     # --- callbacks from runners --------------------------------------------------------
-
-    def fleet_changed(self) -> None:
-        """An executor changed state: refresh the fleet gauges."""
-        self.metrics.set_executor_states(Counter(r.state.value for r in self.runners.values()))
 
     def runner_ready(self, runner: ExecutorRunner) -> None:
         """A handshake finished: adopt its limits, place waiting requests."""
@@ -114,19 +109,18 @@ class Engine:
             del self.runners[runner.address]
             log.info("executor %s removed", runner.address)
         self._refresh_limits()
-        self.fleet_changed()
 
-    def request_done(self, tracked: Tracked, reason: str | None, address: str,
+    def request_done(self, tracked: Tracked, reason: str | None, runner: ExecutorRunner,
                      now: float) -> None:
         """A request finished on an executor: metrics, the expected output length, a log line."""
-        self.metrics.request_finished(reason, tracked, now)
+        self.metrics.request_finished(reason, tracked, now, runner)
         req = tracked.request
         if req is None:
             return
         self._expected_output = 0.9 * self._expected_output + 0.1 * req.num_output_tokens
         log.info(
             "request %s finished (%s) on %s: %d prompt tokens (%d cached), %d generated, %.2fs",
-            tracked.gen.request_id, reason, address, req.num_prompt_tokens,
+            tracked.gen.request_id, reason, runner.address, req.num_prompt_tokens,
             req.num_cached_tokens, req.num_output_tokens, now - tracked.arrival,
         )
 
@@ -228,7 +222,6 @@ class Engine:
             request=None,
             arrival=time.perf_counter(),
         )
-        self.metrics.request_arrived(len(gen.prompt_token_ids))
         if not self._place(tracked):
             self._wait(tracked)
         finished = False
@@ -248,8 +241,7 @@ class Engine:
         if tracked.runner is not None:
             tracked.runner.abort(tracked)
         elif self.waiting.pop(tracked.gen.request_id, None) is not None:
-            self.metrics.request_finished("abort")
-            self.metrics.set_waiting_for_executor(len(self.waiting))
+            self.metrics.request_finished("abort", tracked)
 
     def _place(self, tracked: Tracked, exclude: ExecutorRunner | None = None,
                startable_only: bool = False) -> bool:
@@ -298,7 +290,6 @@ class Engine:
         """No executor can take the request now: hold it until one can (or time out)."""
         tracked.waiting_since = time.monotonic()
         self.waiting[tracked.gen.request_id] = tracked
-        self.metrics.set_waiting_for_executor(len(self.waiting))
         log.info("request %s waits for a healthy executor (%s)", tracked.gen.request_id,
                  self.fleet_summary())
 
@@ -310,7 +301,7 @@ class Engine:
             tracked.prompt_logprobs_skip = tracked.prompt_logprobs_sent
             if failover:
                 tracked.lost_at = tracked.lost_at or now
-                self.metrics.failed_over()
+                self.metrics.failed_over(source)
             try:
                 placed = self._place(tracked, exclude=source)
             except ValueError as exc:
@@ -324,7 +315,7 @@ class Engine:
 
     def _fail(self, tracked: Tracked, error: Exception) -> None:
         tracked.queue.put_nowait(error)
-        self.metrics.request_finished("error")
+        self.metrics.request_finished("error", tracked)
 
     # --- maintenance: waiting requests and the affinity bound --------------------------
 
@@ -359,7 +350,6 @@ class Engine:
                 log.warning("request %s failed: no healthy executor for %.0fs", rid,
                             now - tracked.waiting_since)
                 self._fail(tracked, NoExecutorError(self.no_executor_message()))
-        self.metrics.set_waiting_for_executor(len(self.waiting))
 
     def _rebalance(self) -> None:
         """Move requests an executor has held unadmitted past the bound to one that can

@@ -1,17 +1,27 @@
-"""Prometheus metrics of the controller, under the names vLLM exports.
+"""Prometheus metrics of the controller, under the names vLLM exports, per executor.
 
-Existing dashboards, autoscalers and endpoint pickers read these names unchanged. Counters are
-exposed with a `_total` suffix by prometheus_client.
+Existing dashboards, autoscalers and endpoint pickers read the `vllm:` names unchanged. Counters
+and histograms carry `executor` (host:port) and `accelerator` (gpu, tpu, cpu) labels besides
+`model_name`, so `sum()` gives the fleet and `by (accelerator)` compares device kinds; events
+with no executor (a request aborted while waiting for one) are labelled "none". The gauges an
+endpoint picker or autoscaler reads (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
+`vllm:kv_cache_usage_perc`) are fleet-wide, one series per model; their per-executor values are
+`tandem:executor_*` gauges, computed at scrape time (see controller/fleet_collector.py).
+Counters are exposed with a `_total` suffix by prometheus_client.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+
+from controller.fleet_collector import FleetCollector
 
 if TYPE_CHECKING:
+    from controller.engine import Engine
     from controller.runner import ExecutorRunner
     from controller.tracked import Tracked
 
@@ -19,7 +29,44 @@ _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0, 160.0,
 )
+_STEP_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
+)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+_REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+NO_EXECUTOR = "none"  # executor/accelerator label of events that happened on no executor
+_EXEC = ["model_name", "executor", "accelerator"]
+disable_created_metrics()  # no `_created` series: half the exposition, nothing reads them
+
+
+@dataclass
+class ExecutorSeries:
+    """The metric children of one executor (bound once: the hot path does no label lookup)."""
+
+    executor: str  # the executor label (host:port)
+    accelerator: str  # the accelerator label (gpu, tpu, cpu)
+    prompt_tokens: Any  # Counter child
+    generation_tokens: Any  # Counter child
+    success: dict[str, Any]  # finish reason -> Counter child
+    preemptions: Any  # Counter child
+    prefix_queries: Any  # Counter child
+    prefix_hits: Any  # Counter child
+    ttft: Any  # Histogram child
+    itl: Any  # Histogram child
+    e2e: Any  # Histogram child
+    queue_time: Any  # Histogram child
+    prefill_time: Any  # Histogram child
+    decode_time: Any  # Histogram child
+    req_prompt: Any  # Histogram child
+    req_gen: Any  # Histogram child
+    iteration_tokens: Any  # Histogram child
+    step_seconds: Any  # Histogram child
+    step_requests: Any  # Histogram child
+    lost: Any  # Counter child
+    reconnects: Any  # Counter child
+    failovers: Any  # Counter child (requests moved off this executor)
+    failover_pause: Any  # Histogram child (pauses of requests resumed here)
 
 
 class EngineMetrics:
@@ -28,139 +75,190 @@ class EngineMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()  # served at /metrics
         self.model_name = model_name  # value of the model_name label
-        r, labels = self.registry, ["model_name"]
-        self.running = Gauge("vllm:num_requests_running", "Requests running on executors",
-                             labels, registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled",
-                             labels, registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0-1 (1 = full)",
-                              labels, registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens received",
-                                     labels, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated",
-                                         labels, registry=r)
-        self.request_success = Counter("vllm:request_success", "Finished requests by reason",
-                                       labels + ["finished_reason"], registry=r)
-        self.preemptions = Counter("vllm:num_preemptions", "Requests preempted",
-                                   labels, registry=r)
-        self.prefix_queries = Counter("vllm:prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache",
-                                      labels, registry=r)
-        self.prefix_hits = Counter("vllm:prefix_cache_hits",
-                                   "Prompt tokens found in the prefix cache", labels, registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token",
-                              labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens",
-                             labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency",
-                             labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.req_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request",
-                                    labels, buckets=_TOKEN_BUCKETS, registry=r)
-        self.req_gen = Histogram("vllm:request_generation_tokens",
-                                 "Generated tokens per request", labels,
-                                 buckets=_TOKEN_BUCKETS, registry=r)
-        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens per step",
-                                          labels, buckets=_TOKEN_BUCKETS, registry=r)
+        r = self.registry
+
+        def counter(name: str, doc: str, extra=()):
+            return Counter(name, doc, _EXEC + list(extra), registry=r)
+
+        def histogram(name: str, doc: str, buckets):
+            return Histogram(name, doc, _EXEC, buckets=buckets, registry=r)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens prefilled")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
+        self.request_success = counter("vllm:request_success", "Finished requests by reason",
+                                       ["finished_reason"])
+        self.preemptions = counter("vllm:num_preemptions", "Requests preempted")
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("vllm:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache")
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token",
+                              _LATENCY_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between tokens",
+                             _LATENCY_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency",
+                             _LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "From arrival to first scheduled", _LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "From first scheduled to first token", _LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "From first token to the last", _LATENCY_BUCKETS)
+        self.req_prompt = histogram("vllm:request_prompt_tokens", "Prompt tokens per request",
+                                    _TOKEN_BUCKETS)
+        self.req_gen = histogram("vllm:request_generation_tokens",
+                                 "Generated tokens per request", _TOKEN_BUCKETS)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per step",
+                                          _TOKEN_BUCKETS)
         # Fleet metrics (Tandem's own).
-        self.executor_losses = Counter("tandem:executor_lost", "Executors lost mid-stream",
-                                       labels, registry=r)
-        self.executor_reconnects = Counter("tandem:executor_reconnects",
-                                           "Handshakes with an executor after it was lost",
-                                           labels, registry=r)
-        self.executors = Gauge("tandem:executors", "Executors by state",
-                               labels + ["state"], registry=r)
-        self.failovers = Counter("tandem:requests_failed_over",
-                                 "Requests moved off a lost executor (resumed by recompute)",
-                                 labels, registry=r)
+        self.step_seconds = histogram("tandem:step_duration_seconds",
+                                      "Step round trip as the controller sees it", _STEP_BUCKETS)
+        self.step_requests = histogram("tandem:step_requests", "Requests per step",
+                                       _REQUEST_BUCKETS)
+        self.executor_losses = counter("tandem:executor_lost", "Executor sessions lost")
+        self.executor_reconnects = counter("tandem:executor_reconnects",
+                                           "Handshakes with an executor after it was lost")
+        self.grpc_errors = counter("tandem:executor_grpc_errors",
+                                   "Failed calls to an executor by gRPC status code", ["code"])
+        self.failovers = counter("tandem:requests_failed_over",
+                                 "Requests moved off a lost executor (resumed by recompute)")
+        self.failover_pause = histogram("tandem:failover_pause_seconds",
+                                        "From losing a request's executor to its next token "
+                                        "(labelled by the executor it resumed on)",
+                                        _LATENCY_BUCKETS)
         self.rebalances = Counter("tandem:requests_rebalanced",
                                   "Queued requests moved to an executor that could start them",
-                                  labels, registry=r)
+                                  ["model_name"], registry=r)
         self.placements = Counter("tandem:placements", "Placements by reason (affinity|load)",
-                                  labels + ["reason"], registry=r)
-        self.waiting_for_executor = Gauge("tandem:requests_waiting_for_executor",
-                                          "Requests no healthy executor can take now",
-                                          labels, registry=r)
-        self.failover_pause = Histogram("tandem:failover_pause_seconds",
-                                        "From losing a request's executor to its next token",
-                                        labels, buckets=_LATENCY_BUCKETS, registry=r)
+                                  ["model_name", "reason"], registry=r)
+        for reason in ("affinity", "load"):
+            self.placements.labels(model_name, reason)
+        self.rebalances.labels(model_name)
+        self._series: dict[str, ExecutorSeries] = {}  # executor address -> its children
+        self._none: ExecutorSeries | None = None  # events on no executor, bound on first use
         self._last: dict[str, tuple[int, int, int]] = {}  # runner -> cumulative counters seen
 
-    def _l(self, metric):
-        return metric.labels(model_name=self.model_name)
+    def watch(self, engine: Engine) -> None:
+        """Add the scrape-time gauges of the engine's fleet."""
+        self.registry.register(FleetCollector(engine, self.model_name))
 
-    def request_arrived(self, num_prompt_tokens: int) -> None:
-        self._l(self.prompt_tokens).inc(num_prompt_tokens)
-        self._l(self.req_prompt).observe(num_prompt_tokens)
+    # --- executor series --------------------------------------------------------------------
 
-    def tokens_generated(self, tracked: Tracked, count: int, now: float) -> None:
-        self._l(self.generation_tokens).inc(count)
+    def _bind(self, executor: str, accelerator: str) -> ExecutorSeries:
+        labels = (self.model_name, executor, accelerator)
+        s = ExecutorSeries(
+            executor=executor, accelerator=accelerator,
+            prompt_tokens=self.prompt_tokens.labels(*labels),
+            generation_tokens=self.generation_tokens.labels(*labels),
+            success={reason: self.request_success.labels(*labels, reason)
+                     for reason in FINISH_REASONS},
+            preemptions=self.preemptions.labels(*labels),
+            prefix_queries=self.prefix_queries.labels(*labels),
+            prefix_hits=self.prefix_hits.labels(*labels),
+            ttft=self.ttft.labels(*labels), itl=self.itl.labels(*labels),
+            e2e=self.e2e.labels(*labels), queue_time=self.queue_time.labels(*labels),
+            prefill_time=self.prefill_time.labels(*labels),
+            decode_time=self.decode_time.labels(*labels),
+            req_prompt=self.req_prompt.labels(*labels), req_gen=self.req_gen.labels(*labels),
+            iteration_tokens=self.iteration_tokens.labels(*labels),
+            step_seconds=self.step_seconds.labels(*labels),
+            step_requests=self.step_requests.labels(*labels),
+            lost=self.executor_losses.labels(*labels),
+            reconnects=self.executor_reconnects.labels(*labels),
+            failovers=self.failovers.labels(*labels),
+            failover_pause=self.failover_pause.labels(*labels),
+        )
+        return s
+
+    def series(self, runner: ExecutorRunner | None) -> ExecutorSeries:
+        """The children of a runner's executor (created, at zero, on first use)."""
+        if runner is None:
+            if self._none is None:
+                self._none = self._bind(NO_EXECUTOR, NO_EXECUTOR)
+            return self._none
+        accelerator = runner.info.device_kind if runner.info is not None else "unknown"
+        s = self._series.get(runner.address)
+        if s is None or s.accelerator != accelerator:
+            s = self._series[runner.address] = self._bind(runner.address, accelerator)
+        return s
+
+    # --- request events ---------------------------------------------------------------------
+
+    def request_scheduled(self, runner: ExecutorRunner, tracked: Tracked, now: float) -> None:
+        """A request was first scheduled (its time in the queue ends)."""
+        tracked.scheduled_at = now
+        self.series(runner).queue_time.observe(now - tracked.arrival)
+
+    def tokens_generated(self, runner: ExecutorRunner, tracked: Tracked, count: int,
+                         now: float) -> None:
+        s = self.series(runner)
+        s.generation_tokens.inc(count)
         if not tracked.first_token_at:
             tracked.first_token_at = now
-            self._l(self.ttft).observe(now - tracked.arrival)
+            s.ttft.observe(now - tracked.arrival)
+            s.prompt_tokens.inc(len(tracked.gen.prompt_token_ids))
+            if tracked.scheduled_at:
+                s.prefill_time.observe(now - tracked.scheduled_at)
         else:
-            self._l(self.itl).observe((now - tracked.last_token_at) / count)
+            s.itl.observe((now - tracked.last_token_at) / count)
         tracked.last_token_at = now
 
     def request_finished(self, reason: str | None, tracked: Tracked | None = None,
-                         now: float | None = None) -> None:
-        self.request_success.labels(
-            model_name=self.model_name, finished_reason=reason or "abort"
-        ).inc()
+                         now: float | None = None, runner: ExecutorRunner | None = None) -> None:
+        s = self.series(runner)
+        s.success.get(reason or "abort", s.success["abort"]).inc()
         if tracked is not None:
-            self._l(self.e2e).observe((now or time.perf_counter()) - tracked.arrival)
-            self._l(self.req_gen).observe(tracked.request.num_output_tokens)
+            now = now or time.perf_counter()
+            s.e2e.observe(now - tracked.arrival)
+            s.req_prompt.observe(len(tracked.gen.prompt_token_ids))
+            if tracked.request is not None:
+                s.req_gen.observe(tracked.request.num_output_tokens)
+            if tracked.first_token_at:
+                s.decode_time.observe(now - tracked.first_token_at)
 
-    def executor_lost(self) -> None:
-        self._l(self.executor_losses).inc()
+    # --- fleet events -----------------------------------------------------------------------
 
-    def executor_reconnected(self) -> None:
-        self._l(self.executor_reconnects).inc()
+    def executor_lost(self, runner: ExecutorRunner) -> None:
+        self.series(runner).lost.inc()
 
-    def set_executor_states(self, counts: dict[str, int]) -> None:
-        for state in ("connecting", "healthy", "unhealthy", "draining"):
-            self.executors.labels(model_name=self.model_name, state=state).set(
-                counts.get(state, 0))
+    def executor_reconnected(self, runner: ExecutorRunner) -> None:
+        self.series(runner).reconnects.inc()
 
-    def failed_over(self) -> None:
-        self._l(self.failovers).inc()
+    def grpc_error(self, runner: ExecutorRunner, code: str) -> None:
+        """A call to the executor failed with this gRPC status code (or UNKNOWN)."""
+        s = self.series(runner)
+        self.grpc_errors.labels(self.model_name, s.executor, s.accelerator, code).inc()
+
+    def failed_over(self, source: ExecutorRunner) -> None:
+        self.series(source).failovers.inc()
+
+    def failover_resumed(self, runner: ExecutorRunner, seconds: float) -> None:
+        self.series(runner).failover_pause.observe(seconds)
 
     def rebalanced(self) -> None:
-        self._l(self.rebalances).inc()
+        self.rebalances.labels(self.model_name).inc()
 
     def placed(self, reason: str) -> None:
-        self.placements.labels(model_name=self.model_name, reason=reason).inc()
-
-    def set_waiting_for_executor(self, count: int) -> None:
-        self._l(self.waiting_for_executor).set(count)
-
-    def failover_resumed(self, seconds: float) -> None:
-        self._l(self.failover_pause).observe(seconds)
+        self.placements.labels(self.model_name, reason).inc()
 
     def scheduler_reset(self, key: str) -> None:
         """An executor's scheduler was rebuilt: its cumulative counters start over."""
         self._last.pop(key, None)
 
-    def step_done(self, runner: ExecutorRunner, num_tokens: int, seconds: float, stats) -> None:
-        """Refresh gauges and fold the scheduler's cumulative counters in after a step."""
-        self._l(self.iteration_tokens).observe(num_tokens)
-        running = waiting = connected = 0
-        usage = 0.0
-        for r in runner.engine.runners.values():
-            if r.scheduler is not None:
-                s = r.scheduler.stats() if r is not runner else stats
-                running += s.num_running
-                waiting += s.num_waiting
-                usage += s.kv_usage
-                connected += 1
-        self._l(self.running).set(running)
-        self._l(self.waiting).set(waiting + len(runner.engine.waiting))
-        self._l(self.kv_usage).set(usage / max(1, connected))
+    def step_done(self, runner: ExecutorRunner, num_tokens: int, num_requests: int,
+                  seconds: float, stats) -> None:
+        """Observe a step and fold the scheduler's cumulative counters in."""
+        s = self.series(runner)
+        s.iteration_tokens.observe(num_tokens)
+        s.step_seconds.observe(seconds)
+        s.step_requests.observe(num_requests)
         key = runner.address
         prev = self._last.get(key, (0, 0, 0))
         cur = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
         if cur[0] < prev[0] or cur[2] < prev[2]:  # the scheduler was rebuilt
             prev = (0, 0, 0)
-        self._l(self.prefix_queries).inc(cur[0] - prev[0])
-        self._l(self.prefix_hits).inc(cur[1] - prev[1])
-        self._l(self.preemptions).inc(cur[2] - prev[2])
-        self._last[key] = cur
+        if cur != prev:
+            s.prefix_queries.inc(cur[0] - prev[0])
+            s.prefix_hits.inc(cur[1] - prev[1])
+            s.preemptions.inc(cur[2] - prev[2])
+            self._last[key] = cur

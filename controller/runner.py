@@ -19,6 +19,8 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
+import grpc
+
 from common.config import DeviceInfo
 from controller.executor_client import ExecutorClient, ExecutorLost
 from controller.health import HealthMonitor
@@ -181,7 +183,6 @@ class ExecutorRunner:
     def _set_state(self, state: RunnerState) -> None:
         if state is not self.state:
             self.state, self.state_since = state, time.monotonic()
-            self.engine.fleet_changed()
 
     async def _lifecycle(self) -> None:
         cfg = self.engine.config
@@ -192,6 +193,7 @@ class ExecutorRunner:
                 try:
                     await self._connect()
                 except Exception as exc:  # not up yet, or failing: retry
+                    self._count_grpc_error(exc)
                     error = repr(exc)[:300]
                     level = logging.INFO if error != self.connect_error else logging.DEBUG
                     log.log(level, "executor %s: not connected (%s); retrying", self.address,
@@ -205,6 +207,7 @@ class ExecutorRunner:
                 try:
                     await self._run_steps()  # returns once drained
                 except ExecutorLost as exc:
+                    self._count_grpc_error(exc)
                     self._on_lost(str(exc))
                 except Exception as exc:  # a bug must not strand the requests placed here
                     log.exception("executor %s: step loop failed", self.address)
@@ -221,6 +224,8 @@ class ExecutorRunner:
         cfg = self.engine.config
         status = await self.client.check_health(cfg.health_check_timeout)
         if status != "SERVING":
+            if status == "UNREACHABLE":  # the health call itself failed
+                self.engine.metrics.grpc_error(self, status)
             raise ExecutorLost(f"health: {status}")
         hs = await self.client.handshake(
             cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len, cfg.seed,
@@ -250,7 +255,7 @@ class ExecutorRunner:
             self.incarnations += 1
         if self.state is not RunnerState.CONNECTING:
             self.reconnects += 1
-            self.engine.metrics.executor_reconnected()
+            self.engine.metrics.executor_reconnected(self)
         if self.info is not None and (self.info.device_kind, self.info.device_name) != (
                 hs.info.device_kind, hs.info.device_name):
             self.cost = StepCostModel()  # another device now answers at this address
@@ -280,13 +285,23 @@ class ExecutorRunner:
         self.last_loss = reason[:300]
         log.warning("executor %s lost: %s; moving %d requests", self.address, reason,
                     len(self.tracked))
-        self.engine.metrics.executor_lost()
+        self.engine.metrics.executor_lost(self)
         self._set_state(RunnerState.UNHEALTHY)
         moved = list(self.tracked.values())
         for tracked in moved:
             self._detach(tracked)
         self._retire_scheduler()
         self.engine.relocate(moved, source=self, failover=True)
+
+    def _count_grpc_error(self, exc: BaseException) -> None:
+        """Count the gRPC status behind a failed call (none for other failures)."""
+        seen: set[int] = set()
+        while exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+                self.engine.metrics.grpc_error(self, exc.code().name)
+                return
+            exc = exc.__cause__ or exc.__context__
 
     def _retire_scheduler(self) -> None:
         """Drop the session's scheduler (its blocks mean nothing now), keeping its counters."""
@@ -332,7 +347,7 @@ class ExecutorRunner:
             self.scheduler.finish_requests([tracked.gen.request_id], "abort")
         self._detach(tracked)
         log.info("request %s aborted (client gone)", tracked.gen.request_id)
-        self.engine.metrics.request_finished("abort")
+        self.engine.metrics.request_finished("abort", tracked, runner=self)
         self._wake.set()
 
     # --- the step loop -----------------------------------------------------------------
@@ -360,6 +375,10 @@ class ExecutorRunner:
                     pass
                 continue
             started = time.perf_counter()
+            for new in step.new_requests:
+                tracked = self.tracked.get(new.request_id)
+                if tracked is not None and not tracked.scheduled_at:
+                    self.engine.metrics.request_scheduled(self, tracked, started)
             output = await self.health.guard(self.client.step(step))
             updates = sched.update_from_output(step, output)
             now = time.perf_counter()
@@ -369,7 +388,8 @@ class ExecutorRunner:
             self.tokens += num_tokens
             for update in updates:
                 self._emit(update, now)
-            self.engine.metrics.step_done(self, num_tokens, now - started, sched.stats())
+            self.engine.metrics.step_done(self, num_tokens, step.num_requests, now - started,
+                                          sched.stats())
 
     def _emit(self, update: RequestUpdate, now: float) -> None:
         tracked = self.tracked.get(update.request_id)
@@ -381,11 +401,11 @@ class ExecutorRunner:
             self.scheduler.finish_requests([update.request_id], "stop")
         metrics = self.engine.metrics
         if update.new_token_ids:
-            metrics.tokens_generated(tracked, len(update.new_token_ids), now)
+            metrics.tokens_generated(self, tracked, len(update.new_token_ids), now)
             if tracked.lost_at:
-                metrics.failover_resumed(now - tracked.lost_at)
+                metrics.failover_resumed(self, now - tracked.lost_at)
                 tracked.lost_at = 0.0
         tracked.queue.put_nowait(delta)
         if delta.finished:
             self._detach(tracked)
-            self.engine.request_done(tracked, delta.finish_reason, self.address, now)
+            self.engine.request_done(tracked, delta.finish_reason, self, now)

@@ -26,6 +26,7 @@ class Tracked:
     request: Request | None  # the scheduler's request (a new one on every placement)
     arrival: float  # perf_counter at arrival
     arrival_time: float = field(default_factory=time.monotonic)  # kept across moves (FCFS)
+    scheduled_at: float = 0.0  # perf_counter when first scheduled (queue time ends)
     first_token_at: float = 0.0  # perf_counter of the first token
     last_token_at: float = 0.0  # perf_counter of the latest token
     prompt_logprobs_sent: int = 0  # prompt positions already streamed

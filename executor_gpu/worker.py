@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import time
 
 import torch
 
@@ -66,5 +67,17 @@ class GPUWorker(WorkerBase):
     def execute_model(self, step: StepInput) -> StepOutput:
         """Run one step on the runner without autograd."""
         assert self.model_runner is not None
+        started = time.perf_counter()
         with torch.inference_mode():
-            return self.model_runner.execute_model(step)
+            output = self.model_runner.execute_model(step)
+        self.metrics.observe(step, time.perf_counter() - started)
+        return output
+
+    def memory_usage(self) -> dict[str, int]:
+        """Weights and KV cache; on CUDA also the device's used and total bytes."""
+        usage = super().memory_usage()
+        if self.device_kind == "gpu":
+            free, total = torch.cuda.mem_get_info(self.device)
+            usage.update(used=total - free, total=total,
+                         allocated=torch.cuda.memory_allocated(self.device))
+        return usage

@@ -4,6 +4,7 @@ warms up every static shape, runs steps."""
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -108,5 +109,20 @@ class TPUWorker(WorkerBase):
     def execute_model(self, step: StepInput) -> StepOutput:
         """Run one step on the runner without autograd."""
         assert self.model_runner is not None
+        started = time.perf_counter()
         with torch.no_grad():
-            return self.model_runner.execute_model(step)
+            output = self.model_runner.execute_model(step)
+        self.metrics.observe(step, time.perf_counter() - started)
+        return output
+
+    def memory_usage(self) -> dict[str, int]:
+        """Weights and KV cache, and the device's used / limit bytes where PJRT reports them."""
+        usage = super().memory_usage()
+        runner = self.model_runner
+        if runner is not None and self.pjrt_device == "TPU":
+            import torch_xla.core.xla_model as xm
+
+            info = xm.get_memory_info(runner.device)
+            usage.update(used=int(info.get("bytes_used", 0)),
+                         total=int(info.get("bytes_limit", 0)))
+        return usage
