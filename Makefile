@@ -15,7 +15,7 @@ EXECUTOR ?= gpu
 TPU_ARGS ?= --token-buckets 32,128 --request-buckets 16
 PYTEST_ARGS ?=
 
-.PHONY: setup deps proto model run fleet test test-fast lint clean
+.PHONY: setup deps proto model run fleet test test-fast lint clean prometheus-deps
 
 setup: deps proto model
 
@@ -48,15 +48,19 @@ run: setup
 fleet: setup
 	MODEL_DIR=$(MODEL_DIR) HOST=$(HOST) PORT=$(PORT) PY=$(PY) scripts/run_fleet.sh
 
-test: setup chart-deps
+test: setup chart-deps prometheus-deps
 	TANDEM_MODEL_DIR=$(MODEL_DIR) $(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 # The default suite without the slow end-to-end tests.
 test-fast: setup
 	TANDEM_MODEL_DIR=$(MODEL_DIR) $(PY) -m pytest -q -ra -m "not slow" $(PYTEST_ARGS)
 
+# A Prometheus server and promtool (Debian's package) for the metrics and dashboard tests.
+prometheus-deps:
+	bash scripts/install_prometheus.sh
+
 lint: deps
-	$(PY) -m ruff check common controller executor_gpu executor_tpu tests scripts
+	$(PY) -m ruff check common controller executor_gpu executor_tpu executor_sim tests scripts benchmarks
 
 clean:
 	rm -rf common/pb/*_pb2*.py common/pb/*_pb2*.pyi .pytest_cache
@@ -87,3 +91,23 @@ $(addprefix image-,$(IMAGES)): image-%: docker-engine
 
 docker-engine:
 	@$(DOCKER) info >/dev/null 2>&1 || { echo "no Docker engine answers ($(DOCKER) info failed): images need one" >&2; exit 1; }
+
+# --- Benchmarks (see benchmarks/README.md) -------------------------------------------------------
+BENCH_URL ?= http://$(HOST):$(PORT)
+BENCH_ARGS ?=
+
+.PHONY: bench-serve bench-compare bench-controlplane
+
+# Load-test a running server (`make run` in another shell) at $(BENCH_URL).
+bench-serve: deps
+	$(PY) benchmarks/serve.py --base-url $(BENCH_URL) --concurrency 16 --num-prompts 64 \
+	  --output-len 64 $(BENCH_ARGS)
+
+# Tandem vs transformers static batching (and vLLM with BENCH_ARGS="--vllm-python PATH").
+bench-compare: setup
+	TANDEM_MODEL_DIR=$(MODEL_DIR) $(PY) benchmarks/compare.py --concurrency 16 --output-len 128 \
+	  $(BENCH_ARGS)
+
+# Controller cost and device busy fraction with simulated executors.
+bench-controlplane: setup
+	TANDEM_MODEL_DIR=$(MODEL_DIR) $(PY) benchmarks/controlplane.py $(BENCH_ARGS)

@@ -16,7 +16,9 @@ from grpc_reflection.v1alpha import reflection
 from common.config import ExecutorConfig
 from common.pb import executor_pb2 as pb
 from common.pb import executor_pb2_grpc as pb_grpc
+from common.rpc_token import TokenInterceptor, read_token
 from common.servicer import ExecutorServicer
+from common.tls import server_credentials
 from common.worker_base import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,19 @@ def build_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics of this process over HTTP (0 = off)")
     p.add_argument("--log-level", default="INFO")
+    sec = p.add_argument_group("security: TLS, mTLS and a shared token")
+    sec.add_argument("--tls-cert", default="", help="PEM server certificate: serve gRPC over TLS")
+    sec.add_argument("--tls-key", default="", help="PEM key of --tls-cert")
+    sec.add_argument("--tls-client-ca", default="",
+                     help="PEM CA of client certificates: require them (mutual TLS)")
+    sec.add_argument("--auth-token-file", default="",
+                     help="file holding the token every RPC but health checks must carry")
+    sec.add_argument("--health-port", type=int, default=0,
+                     help="also serve grpc.health.v1 alone, in plaintext, on this port (for "
+                          "probes that cannot speak TLS; 0 = off)")
+    p.add_argument("--shutdown-drain", type=float, default=10.0,
+                   help="after SIGTERM: seconds to report NOT_SERVING while the open step "
+                        "stream goes on (ends early once the controller closes it)")
     return p
 
 
@@ -77,10 +92,26 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
 
 def start_metrics_server(host: str, port: int) -> None:
     """Serve the process's default Prometheus registry at http://host:port/metrics."""
-    from prometheus_client import start_http_server
+    from common.executor_metrics import serve_metrics
 
-    start_http_server(port, addr=host)
+    serve_metrics(host, port)
     log.info("Prometheus metrics on %s:%d", host, port)
+
+
+def _check_security_args(args) -> None:
+    if bool(getattr(args, "tls_cert", "")) != bool(getattr(args, "tls_key", "")):
+        raise SystemExit("--tls-cert and --tls-key go together")
+    if getattr(args, "tls_client_ca", "") and not getattr(args, "tls_cert", ""):
+        raise SystemExit("--tls-client-ca needs --tls-cert and --tls-key")
+
+
+def _health_only_server(health_servicer, host: str, port: int) -> grpc.Server:
+    """A plaintext server of grpc.health.v1 alone (probes that cannot speak TLS)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_insecure_port(f"{host}:{port}")
+    server.start()
+    return server
 
 
 def serve(worker_factory: Callable[[ExecutorConfig], WorkerBase], args) -> None:
@@ -89,11 +120,15 @@ def serve(worker_factory: Callable[[ExecutorConfig], WorkerBase], args) -> None:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    _check_security_args(args)
     worker = worker_factory(config_from_args(args))
     if getattr(args, "metrics_port", 0):
         start_metrics_server(args.host, args.metrics_port)
+    token_file = getattr(args, "auth_token_file", "")
+    interceptors = [TokenInterceptor(read_token(token_file))] if token_file else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8),
+        interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -109,9 +144,19 @@ def serve(worker_factory: Callable[[ExecutorConfig], WorkerBase], args) -> None:
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{args.host}:{args.port}"
-    server.add_insecure_port(address)
+    if getattr(args, "tls_cert", ""):
+        creds = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+        server.add_secure_port(address, creds)
+    else:
+        server.add_insecure_port(address)
     server.start()
-    log.info("listening on %s; loading %s", address, args.model)
+    health_server = None
+    if getattr(args, "health_port", 0):
+        health_server = _health_only_server(health_servicer, args.host, args.health_port)
+    log.info("listening on %s (%s%s); loading %s", address,
+             "mTLS" if getattr(args, "tls_client_ca", "") else
+             "TLS" if getattr(args, "tls_cert", "") else "plaintext",
+             ", token" if interceptors else "", args.model)
     servicer.load()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -121,6 +166,12 @@ def serve(worker_factory: Callable[[ExecutorConfig], WorkerBase], args) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    log.info("shutting down")
+    drain = max(getattr(args, "shutdown_drain", 0.0), 0.0)
+    log.info("shutting down: NOT_SERVING; draining %d step streams for up to %.0fs",
+             servicer.streams_open, drain)
     health_servicer.enter_graceful_shutdown()
+    if not servicer.wait_streams_closed(drain):
+        log.warning("a step stream is still open after %.0fs; stopping anyway", drain)
     server.stop(grace=5).wait()
+    if health_server is not None:
+        health_server.stop(grace=1).wait()

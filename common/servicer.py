@@ -1,8 +1,9 @@
 """The Executor gRPC servicer, written once against WorkerBase.
 
 Thin by design: protobuf in, domain objects to the worker, protobuf out. One controller session
-at a time: InitDevice starts a new session (resetting request state) and ends any ExecuteModel
-stream of the previous one.
+at a time: InitDevice starts a new session (resetting request state), and every ExecuteModel
+stream replaces the one before it. A replaced stream runs no further step: its next request
+ends it with ABORTED, so two controllers never drive the device at once.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self.worker = worker  # the device worker
         self._lock = threading.Lock()  # one device call at a time
         self._session = 0  # bumped by every InitDevice; older streams end
+        self._stream = 0  # bumped by every ExecuteModel; older streams end
+        self._streams_open = 0  # ExecuteModel calls in progress
+        self._state = threading.Condition()  # guards the stream counters
 
     def load(self) -> None:
         """Bind the device and load the weights (at startup, before reporting SERVING)."""
@@ -73,17 +77,51 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         )
         return pb.InitializeCacheResponse(warmup_seconds=seconds, num_compiled_graphs=graphs)
 
+    @property
+    def streams_open(self) -> int:
+        """ExecuteModel streams in progress (a replaced one counts until it ends)."""
+        return self._streams_open
+
+    def wait_streams_closed(self, timeout: float) -> bool:
+        """Wait until no step stream is open; False if one still is after `timeout`."""
+        with self._state:
+            return self._state.wait_for(lambda: self._streams_open == 0, timeout)
+
+    def _replaced(self, session: int, stream: int) -> str:
+        if session != self._session:
+            return "replaced by a newer controller session (InitDevice)"
+        if stream != self._stream:
+            return "replaced by a newer step stream (ExecuteModel)"
+        return ""
+
     def ExecuteModel(self, request_iterator, context):
-        session = self._session
         if not self.worker.cache_initialized:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "InitializeCache first")
-        log.info("session %d: step stream opened by %s", session, context.peer())
+        with self._state:
+            self._stream += 1
+            session, stream = self._session, self._stream
+            if self._streams_open:
+                log.warning("session %d: a new step stream from %s replaces the open one",
+                            session, context.peer())
+            self._streams_open += 1
+        log.info("session %d: step stream %d opened by %s", session, stream, context.peer())
+        try:
+            yield from self._steps(request_iterator, context, session, stream)
+        finally:
+            with self._state:
+                self._streams_open -= 1
+                self._state.notify_all()
+            log.info("session %d: step stream %d closed", session, stream)
+
+    def _steps(self, request_iterator, context, session: int, stream: int):
         for request in request_iterator:
-            if session != self._session:
-                context.abort(grpc.StatusCode.ABORTED, "replaced by a newer controller session")
             step = convert.step_from_pb(request)
             started = time.perf_counter()
             with self._lock:
+                replaced = self._replaced(session, stream)
+                if replaced:
+                    log.warning("session %d: step stream %d ends: %s", session, stream, replaced)
+                    context.abort(grpc.StatusCode.ABORTED, replaced)
                 try:
                     output = self.worker.execute_model(step)
                 except Exception as exc:  # the whole step failed: the controller retries
@@ -92,4 +130,3 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             if not output.device_seconds:
                 output.device_seconds = time.perf_counter() - started
             yield convert.result_to_pb(output)
-        log.info("session %d: step stream closed", session)

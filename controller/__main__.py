@@ -8,10 +8,14 @@ import os
 
 import uvicorn
 
+from common.rpc_token import read_token
+from controller.admission import Admission, AdmissionLimits
+from controller.api.auth import DEFAULT_EXEMPT_PATHS, load_api_keys
 from controller.api.server import create_app
 from controller.api.serving import OpenAIServing
 from controller.config import ControllerConfig
 from controller.engine import Engine
+from controller.shutdown import GracefulServer
 from controller.tokenizer import Tokenizer
 
 
@@ -37,6 +41,9 @@ def parse_args(argv=None) -> ControllerConfig:
     p.add_argument("--policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--scheduler", default="", help="custom scheduler as module:Class")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pipeline-depth", type=int, default=2, choices=range(1, 5),
+                   metavar="N", help="steps in flight per executor: the next step is "
+                   "scheduled and sent while one runs (1 = wait for each result)")
     p.add_argument("--step-timeout", type=float, default=300.0,
                    help="seconds a step may take before its executor counts as lost")
     p.add_argument("--executor-startup-timeout", type=float, default=900.0,
@@ -68,6 +75,7 @@ def parse_args(argv=None) -> ControllerConfig:
     fleet.add_argument("--executor-limits", action="append", default=[],
                        metavar="KIND=TOKENS,SEQS",
                        help="per device kind step limits, e.g. tpu=64,8 (repeatable)")
+    _add_operations_flags(p)
     a = p.parse_args(argv)
     kind_limits = {}
     for spec in a.executor_limits:
@@ -95,6 +103,7 @@ def parse_args(argv=None) -> ControllerConfig:
         scheduler_class=a.scheduler,
         seed=a.seed,
         step_timeout=a.step_timeout,
+        pipeline_depth=a.pipeline_depth,
         executor_startup_timeout=a.executor_startup_timeout,
         max_logprobs=a.max_logprobs,
         executor_dns=a.executor_dns,
@@ -109,17 +118,76 @@ def parse_args(argv=None) -> ControllerConfig:
         prefix_affinity=not a.no_prefix_affinity,
         affinity_max_wait=a.affinity_max_wait,
         kind_limits=kind_limits,
+        max_queued_requests=a.max_queued_requests,
+        max_queued_tokens=a.max_queued_tokens,
+        retry_after=a.retry_after,
+        max_request_bytes=a.max_request_bytes,
+        api_keys=load_api_keys(a.api_keys, a.api_key_files),
+        auth_exempt_paths=a.auth_exempt_paths or list(DEFAULT_EXEMPT_PATHS),
+        shutdown_grace=a.shutdown_grace,
+        ssl_certfile=a.ssl_certfile,
+        ssl_keyfile=a.ssl_keyfile,
+        executor_tls_ca=a.executor_tls_ca,
+        executor_tls_cert=a.executor_tls_cert,
+        executor_tls_key=a.executor_tls_key,
+        executor_tls_server_name=a.executor_tls_server_name,
+        executor_token=read_token(a.auth_token_file) if a.auth_token_file else "",
     )
+
+
+def _add_operations_flags(p: argparse.ArgumentParser) -> None:
+    """Flags for limits, authentication, TLS and shutdown."""
+    lim = p.add_argument_group("limits: admission control and request size")
+    lim.add_argument("--max-queued-requests", type=int, default=1024,
+                     help="sequences waiting for their first token, fleet-wide, before new "
+                          "requests get 429 (0 = no bound)")
+    lim.add_argument("--max-queued-tokens", type=int, default=1 << 20,
+                     help="prompt tokens of those sequences before 429 (0 = no bound)")
+    lim.add_argument("--retry-after", type=int, default=1,
+                     help="seconds in the Retry-After header of a 429 or a shutdown 503")
+    lim.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                     help="largest HTTP request body; larger ones get 413 (0 = no bound)")
+    auth = p.add_argument_group("authentication of API clients")
+    auth.add_argument("--api-key", action="append", default=[], dest="api_keys",
+                      help="accepted Bearer key (repeatable; also $TANDEM_API_KEY)")
+    auth.add_argument("--api-key-file", action="append", default=[], dest="api_key_files",
+                      help="file of accepted keys, one per line (repeatable)")
+    auth.add_argument("--auth-exempt-path", action="append", default=[],
+                      dest="auth_exempt_paths",
+                      help="path served without a key (repeatable; default: "
+                           + ", ".join(DEFAULT_EXEMPT_PATHS) + ")")
+    tls = p.add_argument_group("TLS: HTTPS for clients, TLS/mTLS and a token to executors")
+    tls.add_argument("--ssl-certfile", default="", help="PEM certificate: serve HTTPS")
+    tls.add_argument("--ssl-keyfile", default="", help="PEM key of --ssl-certfile")
+    tls.add_argument("--executor-tls-ca", default="",
+                     help="PEM CA that signs executor certificates: gRPC over TLS")
+    tls.add_argument("--executor-tls-cert", default="",
+                     help="PEM client certificate for executors that require mTLS")
+    tls.add_argument("--executor-tls-key", default="", help="PEM key of --executor-tls-cert")
+    tls.add_argument("--executor-tls-server-name", default="",
+                     help="name to verify in executor certificates (default: the host)")
+    tls.add_argument("--auth-token-file", default="",
+                     help="file holding the token sent to executors on every RPC")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds open responses may finish after SIGTERM before they are "
+                        "aborted")
 
 
 def main(argv=None) -> None:
     config = parse_args(argv)
     tokenizer = Tokenizer.from_model_dir(config.model)
     engine = Engine(config, tokenizer)
-    serving = OpenAIServing(engine, tokenizer, config.served_model_name, config.max_logprobs)
+    admission = Admission(AdmissionLimits(config.max_queued_requests, config.max_queued_tokens,
+                                          config.retry_after))
+    serving = OpenAIServing(engine, tokenizer, config.served_model_name, config.max_logprobs,
+                            admission)
     app = create_app(engine, serving)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning",
-                timeout_graceful_shutdown=10)
+    server = GracefulServer(
+        uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                       timeout_graceful_shutdown=10, ssl_certfile=config.ssl_certfile or None,
+                       ssl_keyfile=config.ssl_keyfile or None),
+        admission, config.shutdown_grace)
+    server.run()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ class ControllerConfig:
     scheduler_class: str = ""  # "module:Class" of a custom SchedulerBase; "" = built-in
     seed: int = 0  # executors' global seed
     step_timeout: float = 300.0  # seconds a step may take before its executor counts as lost
+    pipeline_depth: int = 2  # steps in flight per executor (1 = wait for each result)
     executor_startup_timeout: float = 900.0  # seconds the handshake's cache warm-up may take
     reconnect_backoff_min: float = 0.2  # first wait between reconnect attempts
     reconnect_backoff_max: float = 10.0  # longest wait between reconnect attempts
@@ -43,3 +44,22 @@ class ControllerConfig:
     affinity_max_wait: float = 2.0  # most extra seconds affinity may cost a request
     # Per device kind ("cpu", "gpu", "tpu"): (max_num_batched_tokens, max_num_seqs) overrides.
     kind_limits: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Admission: bounds on requests waiting for their first token (429 beyond them).
+    max_queued_requests: int = 1024  # queued sequences across the fleet; 0 = no bound
+    max_queued_tokens: int = 1 << 20  # prompt tokens of queued sequences; 0 = no bound
+    retry_after: int = 1  # seconds in the Retry-After header of a 429/503
+    max_request_bytes: int = 4 << 20  # largest HTTP request body (413 beyond); 0 = no bound
+    # Client authentication: Bearer API keys (none = open API).
+    api_keys: list[str] = field(default_factory=list)  # accepted keys (secrets)
+    auth_exempt_paths: list[str] = field(default_factory=lambda: ["/health", "/metrics"])
+    # Shutdown: on SIGTERM admit nothing, let responses finish this long, then abort the rest.
+    shutdown_grace: float = 30.0
+    # HTTPS for the HTTP endpoint ("" = plain HTTP).
+    ssl_certfile: str = ""  # PEM certificate chain
+    ssl_keyfile: str = ""  # PEM private key
+    # gRPC to executors: TLS / mTLS and a shared token ("" = off).
+    executor_tls_ca: str = ""  # PEM CA bundle that signs executor certificates; "" = plaintext
+    executor_tls_cert: str = ""  # PEM client certificate (mTLS)
+    executor_tls_key: str = ""  # PEM client key (mTLS)
+    executor_tls_server_name: str = ""  # name to verify in executor certificates
+    executor_token: str = ""  # sent as "authorization: Bearer <token>" on every RPC

@@ -21,6 +21,7 @@ from common.config import DeviceInfo
 from controller.config import ControllerConfig
 from controller.detokenizer import OutputTextState
 from controller.discovery import Discovery
+from controller.executor_client import make_security
 from controller.kv_cache import hash_token_blocks
 from controller.metrics import EngineMetrics
 from controller.outputs import GenerationRequest, OutputDelta
@@ -47,6 +48,9 @@ class Engine:
         self.config = config  # controller configuration
         self.tokenizer = tokenizer  # for detokenization
         self.metrics = EngineMetrics(config.served_model_name)  # Prometheus metrics
+        self.executor_security = make_security(  # TLS and token of every executor channel
+            config.executor_tls_ca, config.executor_tls_cert, config.executor_tls_key,
+            config.executor_tls_server_name, config.executor_token)
         self.policy = PlacementPolicy(config.prefix_affinity, config.affinity_max_wait)
         self.discovery = Discovery(config)  # where executors are
         self.runners: dict[str, ExecutorRunner] = {}  # by address

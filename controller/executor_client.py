@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -13,6 +13,7 @@ from common import convert
 from common.config import DeviceInfo, MemoryProfile
 from common.pb import executor_pb2 as pb
 from common.pb import executor_pb2_grpc as pb_grpc
+from common.rpc_token import token_metadata
 from common.step_types import StepInput, StepOutput
 
 log = logging.getLogger(__name__)
@@ -26,8 +27,40 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+@dataclass
+class ChannelSecurity:
+    """How the controller reaches executors: TLS (with a client certificate for mTLS) and a
+    shared token."""
+
+    credentials: grpc.ChannelCredentials | None = None  # TLS credentials; None = plaintext
+    server_name: str = ""  # name to verify in executor certificates; "" = the address's host
+    metadata: tuple = field(default_factory=tuple)  # sent on every RPC (the token)
+
+
+def make_security(ca_file: str = "", cert_file: str = "", key_file: str = "",
+                  server_name: str = "", token: str = "") -> ChannelSecurity:
+    """ChannelSecurity from PEM files and a token ("" = off)."""
+    from common.tls import channel_credentials
+
+    if (cert_file or key_file or server_name) and not ca_file:
+        raise ValueError("executor TLS options need the CA (--executor-tls-ca)")
+    creds = channel_credentials(ca_file, cert_file, key_file) if ca_file else None
+    return ChannelSecurity(creds, server_name, token_metadata(token))
+
+
 class ExecutorLost(RuntimeError):
     """The executor's stream broke, it restarted, or it stopped answering in time."""
+
+
+def grpc_status_of(exc: BaseException | None) -> str:
+    """The gRPC status code name behind a failure (its cause chain), or "" if none."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+            return exc.code().name
+        exc = exc.__cause__ or exc.__context__
+    return ""
 
 
 @dataclass
@@ -43,16 +76,26 @@ class HandshakeResult:
 class ExecutorClient:
     """gRPC channel, handshake and ExecuteModel stream to one executor."""
 
-    def __init__(self, address: str, step_timeout: float = 300.0):
+    def __init__(self, address: str, step_timeout: float = 300.0,
+                 security: ChannelSecurity | None = None):
         self.address = address  # host:port
         self.step_timeout = step_timeout  # seconds a step may take before the executor is lost
+        self.security = security or ChannelSecurity()  # TLS and token of every call
         self._channel: grpc.aio.Channel | None = None  # opened in the serving event loop
         self._call = None  # the open ExecuteModel stream
 
     @property
     def channel(self) -> grpc.aio.Channel:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+            sec = self.security
+            if sec.credentials is None:
+                self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+            else:
+                options = list(_CHANNEL_OPTIONS)
+                if sec.server_name:
+                    options.append(("grpc.ssl_target_name_override", sec.server_name))
+                self._channel = grpc.aio.secure_channel(self.address, sec.credentials,
+                                                        options=options)
             self._stub = pb_grpc.ExecutorStub(self._channel)
             self._health = health_pb2_grpc.HealthStub(self._channel)
         return self._channel
@@ -62,7 +105,8 @@ class ExecutorClient:
         _ = self.channel
         try:
             resp = await self._health.Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout,
+                metadata=self.security.metadata,
             )
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, TimeoutError):
             return "UNREACHABLE"
@@ -88,12 +132,13 @@ class ExecutorClient:
         """
         await self.close_stream()
         _ = self.channel
+        meta = self.security.metadata
 
         async def init_device(tokens: int, seqs: int) -> DeviceInfo:
             req = pb.InitDeviceRequest(max_num_batched_tokens=tokens, max_num_seqs=seqs,
                                        max_model_len=max_model_len, seed=seed)
             return convert.device_info_from_pb(
-                await self._stub.InitDevice(req, timeout=timeout)
+                await self._stub.InitDevice(req, timeout=timeout, metadata=meta)
             )
 
         info = await init_device(max_num_batched_tokens, max_num_seqs)
@@ -101,7 +146,8 @@ class ExecutorClient:
         if override and override != (max_num_batched_tokens, max_num_seqs):
             info = await init_device(*override)
         memory = convert.memory_profile_from_pb(
-            await self._stub.ProfileMemory(pb.ProfileMemoryRequest(), timeout=timeout)
+            await self._stub.ProfileMemory(pb.ProfileMemoryRequest(), timeout=timeout,
+                                           metadata=meta)
         )
         num_blocks = memory.available_kv_bytes // info.kv_cache.bytes_per_block
         if num_blocks_override > 0:
@@ -112,16 +158,35 @@ class ExecutorClient:
                 f"of {info.kv_cache.bytes_per_block} bytes"
             )
         resp = await self._stub.InitializeCache(
-            pb.InitializeCacheRequest(num_blocks=num_blocks), timeout=timeout
+            pb.InitializeCacheRequest(num_blocks=num_blocks), timeout=timeout, metadata=meta
         )
         return HandshakeResult(info, memory, num_blocks, resp.warmup_seconds)
 
     async def step(self, step: StepInput) -> StepOutput:
         """Send one step on the stream and wait for its result."""
+        await self.send_step(step)
+        return await self.receive_result(step)
+
+    async def send_step(self, step: StepInput) -> None:
+        """Send one step on the stream (opened on first use); results come back in order."""
         try:
             if self._call is None:
-                self._call = self._stub.ExecuteModel()
+                self._call = self._stub.ExecuteModel(metadata=self.security.metadata)
             await self._call.write(convert.step_to_pb(step))
+        except grpc.aio.AioRpcError as exc:
+            await self.close_stream()
+            raise ExecutorLost(
+                f"step stream broke: {exc.code().name}: {exc.details()}"
+            ) from exc
+        except grpc.aio.UsageError as exc:
+            await self.close_stream()
+            raise ExecutorLost(f"step stream unusable: {exc}") from exc
+
+    async def receive_result(self, step: StepInput) -> StepOutput:
+        """The result of `step`, the oldest step sent and not yet answered."""
+        if self._call is None:
+            raise ExecutorLost("no step stream open")
+        try:
             msg = await asyncio.wait_for(self._call.read(), timeout=self.step_timeout)
         except grpc.aio.AioRpcError as exc:
             await self.close_stream()

@@ -309,6 +309,14 @@ class KVCacheManager:
         """
         rid = request.request_id
         table = self._tables.get(rid)
+        if table is not None and not computed_blocks:
+            # Fast path (most decode steps): room already held and no block newly full.
+            num_total = request.num_computed_tokens + num_new_tokens
+            if num_total <= len(table) * self.block_size and (
+                not self.enable_prefix_caching
+                or min(num_total, request.num_tokens) // self.block_size <= self._num_cached[rid]
+            ):
+                return []
         first = table is None
         computed = list(computed_blocks or ())
         if computed and not first:

@@ -33,8 +33,10 @@ class RequestStatus(enum.Enum):
 class Request:
     """One request as the controller tracks it: what to generate and how far it has got.
 
-    `num_computed_tokens` counts the tokens whose KV is in the cache; each step it catches up
-    with `num_tokens` (prompt plus generated tokens). Requests compare by identity.
+    `num_computed_tokens` counts the tokens whose KV is in the cache, or will be once the steps
+    already sent have run; each step it catches up with `num_tokens` (prompt plus generated
+    tokens) plus `num_pending_tokens` (tokens being sampled by steps in flight: placeholders the
+    executor fills from its own samples). Requests compare by identity.
     """
 
     request_id: str  # unique within the controller
@@ -51,7 +53,8 @@ class Request:
 
     # Mutable state, owned by the scheduler and the KV-cache manager.
     output_token_ids: list[int] = field(default_factory=list)  # generated tokens so far
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (or being computed)
+    num_pending_tokens: int = 0  # tokens sampled by steps in flight, not yet received
     status: RequestStatus = RequestStatus.WAITING  # life-cycle state
     finish_reason: FinishReason | None = None  # set once finished
     num_preemptions: int = 0  # times evicted by recompute
@@ -82,6 +85,16 @@ class Request:
     def is_finished(self) -> bool:
         """Whether the request has ended."""
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def can_sample_more(self) -> bool:
+        """Whether one more token may be sampled beyond those in flight (max_tokens and
+        max_model_len; a stop id in flight is not known yet)."""
+        sampled = len(self.output_token_ids) + self.num_pending_tokens
+        if sampled >= self.max_tokens:
+            return False
+        return self.max_model_len <= 0 or self.num_tokens + self.num_pending_tokens < \
+            self.max_model_len
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """Tokens at positions [start, end) of prompt + output, without joining the two lists."""

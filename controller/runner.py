@@ -16,13 +16,11 @@ import asyncio
 import enum
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from typing import TYPE_CHECKING
 
-import grpc
-
 from common.config import DeviceInfo
-from controller.executor_client import ExecutorClient, ExecutorLost
+from controller.executor_client import ExecutorClient, ExecutorLost, grpc_status_of
 from controller.health import HealthMonitor
 from controller.placement import StepCostModel
 from controller.request import RequestStatus
@@ -36,6 +34,7 @@ from controller.scheduler import (
 from controller.tracked import Tracked, make_delta
 
 if TYPE_CHECKING:
+    from common.step_types import StepInput
     from controller.engine import Engine
 
 log = logging.getLogger(__name__)
@@ -59,7 +58,7 @@ class ExecutorRunner:
         self.engine = engine  # the owning engine
         self.address = address  # host:port
         self.source = source  # how it was found: static, dns or file
-        self.client = ExecutorClient(address, cfg.step_timeout)
+        self.client = ExecutorClient(address, cfg.step_timeout, engine.executor_security)
         self.scheduler: SchedulerBase | None = None  # rebuilt by every handshake
         self.info: DeviceInfo | None = None  # the latest InitDevice answer
         self.num_blocks = 0  # KV blocks on the device
@@ -294,14 +293,9 @@ class ExecutorRunner:
         self.engine.relocate(moved, source=self, failover=True)
 
     def _count_grpc_error(self, exc: BaseException) -> None:
-        """Count the gRPC status behind a failed call (none for other failures)."""
-        seen: set[int] = set()
-        while exc is not None and id(exc) not in seen:
-            seen.add(id(exc))
-            if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
-                self.engine.metrics.grpc_error(self, exc.code().name)
-                return
-            exc = exc.__cause__ or exc.__context__
+        code = grpc_status_of(exc)
+        if code:
+            self.engine.metrics.grpc_error(self, code)
 
     def _retire_scheduler(self) -> None:
         """Drop the session's scheduler (its blocks mean nothing now), keeping its counters."""
@@ -353,42 +347,55 @@ class ExecutorRunner:
     # --- the step loop -----------------------------------------------------------------
 
     async def _run_steps(self) -> None:
-        """Schedule, send and apply steps until the session is lost (or drained)."""
+        """Schedule, send and apply steps until the session is lost (or drained).
+
+        Up to `pipeline_depth` steps are in flight: the next one is scheduled and sent while
+        the executor runs the previous one, so the device never waits for the controller."""
+        sched = self.scheduler
+        assert sched is not None
+        depth = self.engine.config.pipeline_depth if sched.supports_pipelining else 1
+        inflight: deque[tuple[StepInput, float]] = deque()  # sent steps, oldest first
+        last_done = 0.0  # when the previous result arrived
         while True:
             self.health.check()
-            if self.leaving and not self.tracked:
+            if self.leaving and not self.tracked and not inflight:
                 self._set_state(RunnerState.REMOVED)  # drained: too late to rejoin
                 return
-            sched = self.scheduler
-            assert sched is not None
-            if not sched.has_unfinished_requests():
+            if len(inflight) < max(depth, 1) and sched.has_unfinished_requests():
+                step = sched.schedule()
+                if step.num_requests:
+                    sent = time.perf_counter()
+                    for new in step.new_requests:
+                        tracked = self.tracked.get(new.request_id)
+                        if tracked is not None and not tracked.scheduled_at:
+                            self.engine.metrics.request_scheduled(self, tracked, sent)
+                    await self.health.guard(self.client.send_step(step))
+                    inflight.append((step, sent))
+                    continue
+            if not inflight:
+                # Idle, or nothing fits now (e.g. waiting for blocks): let other tasks run.
                 self._wake.clear()
-                await self._wake.wait()
-                continue
-            step = sched.schedule()
-            if step.num_requests == 0:
-                # Nothing fits now (e.g. waiting for blocks); let other tasks run.
-                self._wake.clear()
+                if not sched.has_unfinished_requests():
+                    await self._wake.wait()
+                    continue
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=0.05)
                 except TimeoutError:
                     pass
                 continue
-            started = time.perf_counter()
-            for new in step.new_requests:
-                tracked = self.tracked.get(new.request_id)
-                if tracked is not None and not tracked.scheduled_at:
-                    self.engine.metrics.request_scheduled(self, tracked, started)
-            output = await self.health.guard(self.client.step(step))
+            step, sent = inflight.popleft()
+            output = await self.health.guard(self.client.receive_result(step))
             updates = sched.update_from_output(step, output)
             now = time.perf_counter()
+            seconds = now - max(sent, last_done)  # the executor's time on this step
+            last_done = now
             num_tokens = step.num_scheduled_tokens
-            self.cost.observe(num_tokens, now - started)
+            self.cost.observe(num_tokens, seconds)
             self.steps += 1
             self.tokens += num_tokens
             for update in updates:
                 self._emit(update, now)
-            self.engine.metrics.step_done(self, num_tokens, step.num_requests, now - started,
+            self.engine.metrics.step_done(self, num_tokens, step.num_requests, seconds,
                                           sched.stats())
 
     def _emit(self, update: RequestUpdate, now: float) -> None:

@@ -5,9 +5,18 @@ There are no prefill and decode phases. Every step, each admitted request's
 the token budget allows: running requests first, then waiting ones. A prompt longer than the
 budget is computed over several steps (chunked prefill); the executor samples a token for a
 request only in the step that completes its tokens.
+
+Steps may be pipelined: `schedule()` advances `num_computed_tokens` at once, and a step that
+samples a token leaves a placeholder (`num_pending_tokens`), so the next step can be scheduled
+and sent while this one runs; it computes the placeholder, which the executor fills with the
+token it sampled. `update_from_output()` replaces placeholders by the tokens in order. A result
+for a request finished or preempted since its step was scheduled is dropped (at most one token
+of work per step in flight is wasted that way).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from common.step_types import CachedRequestData, NewRequestData, StepInput, StepOutput
 from controller.kv_cache import KVCacheManager
@@ -22,6 +31,16 @@ from controller.scheduler_base import (  # noqa: F401  (re-exported: the schedul
 )
 
 
+class _Scheduled(NamedTuple):
+    """What a step in flight does for one request (a tuple: built for every request, every
+    step)."""
+
+    start: int  # the request's num_computed_tokens before the step
+    num_tokens: int  # tokens computed by the step
+    samples: bool  # the step samples the request's next token (a placeholder until received)
+    epoch: int  # the request's num_preemptions when scheduled (a later preemption voids it)
+
+
 class Scheduler(SchedulerBase):
     """The default scheduler: FCFS, or strict priority with `policy="priority"`.
 
@@ -30,6 +49,8 @@ class Scheduler(SchedulerBase):
     priority value, then the latest arrival) is preempted by recompute. Waiting requests are
     admitted only in steps without a preemption, while budget, `max_num_seqs` and blocks last.
     """
+
+    supports_pipelining = True
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
@@ -41,6 +62,7 @@ class Scheduler(SchedulerBase):
         self._step_id = 0  # last step id handed out
         self._num_preemptions = 0  # cumulative
         self._last_step_tokens = 0  # tokens scheduled by the last step
+        self._inflight: dict[int, dict[str, _Scheduled]] = {}  # step id -> what it does
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -143,6 +165,7 @@ class Scheduler(SchedulerBase):
         self.running.remove(victim)
         self.kv.free(victim)  # before resetting num_computed_tokens (see KVCacheManager.free)
         victim.num_computed_tokens = 0
+        victim.num_pending_tokens = 0  # its steps in flight are void (see _Scheduled.epoch)
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self._num_preemptions += 1
@@ -153,12 +176,17 @@ class Scheduler(SchedulerBase):
         """Running requests first (preempting when blocks run out), then waiting ones."""
         budget = self.config.max_num_batched_tokens
         cached: dict[str, CachedRequestData] = {}
+        plan: dict[str, _Scheduled] = {}
         preempted = False
 
         index = 0
         while index < len(self.running):
             request = self.running[index]
-            num_new = self._cap(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = request.num_tokens + request.num_pending_tokens \
+                - request.num_computed_tokens
+            if request.num_pending_tokens and not request.can_sample_more:
+                num_new = 0  # what is left is placeholders, computed only to sample more
+            num_new = self._cap(num_new, budget)
             if num_new <= 0:
                 index += 1
                 continue
@@ -173,6 +201,7 @@ class Scheduler(SchedulerBase):
                 entry = cached.pop(victim.request_id, None)
                 if entry is not None:  # scheduled earlier in this step: take it back
                     budget += entry.num_scheduled_tokens
+                    del plan[victim.request_id]
                 if victim_index < index:
                     index -= 1
                 if victim is request:
@@ -182,6 +211,7 @@ class Scheduler(SchedulerBase):
             cached[request.request_id] = CachedRequestData(
                 request.request_id, new_block_ids, request.num_computed_tokens, num_new
             )
+            plan[request.request_id] = self._advance(request, num_new)
             budget -= num_new
             index += 1
 
@@ -218,6 +248,7 @@ class Scheduler(SchedulerBase):
                     num_scheduled_tokens=num_new,
                 )
             )
+            plan[request.request_id] = self._advance(request, num_new)
             budget -= num_new
 
         self._last_step_tokens = self.config.max_num_batched_tokens - budget
@@ -226,33 +257,49 @@ class Scheduler(SchedulerBase):
         self._step_id += 1
         step = StepInput(self._step_id, new, list(cached.values()), self._finished_ids)
         self._finished_ids = []
+        self._inflight[self._step_id] = plan
         return step
+
+    @staticmethod
+    def _advance(request: Request, num_new: int) -> _Scheduled:
+        """Count a scheduled chunk as computed; a chunk that reaches the end of the request's
+        tokens (placeholders included) samples one more: a new placeholder."""
+        start = request.num_computed_tokens
+        request.num_computed_tokens += num_new
+        samples = request.num_computed_tokens == request.num_tokens + request.num_pending_tokens
+        if samples:
+            request.num_pending_tokens += 1
+        return _Scheduled(start, num_new, samples, request.num_preemptions)
 
     # -- results -----------------------------------------------------------------------------
 
     def update_from_output(self, step: StepInput, output: StepOutput) -> list[RequestUpdate]:
-        """Advance computed tokens, append sampled ones, finish on stop / length / error."""
+        """Replace placeholders by sampled tokens, finish on stop / length / error.
+
+        Steps must be applied in the order they were scheduled."""
         updates: list[RequestUpdate] = []
-        scheduled = {r.request_id: r.num_scheduled_tokens for r in step.new_requests}
-        scheduled.update((r.request_id, r.num_scheduled_tokens) for r in step.cached_requests)
+        plan = self._inflight.pop(step.step_id, {})
         num_finished = 0
         for out in output.outputs:
             request = self.requests.get(out.request_id)
-            num_scheduled = scheduled.get(out.request_id)
+            entry = plan.get(out.request_id)
             if (
                 request is None
-                or num_scheduled is None
+                or entry is None
                 or request.status is not RequestStatus.RUNNING
+                or entry.epoch != request.num_preemptions
             ):
                 continue  # finished, aborted or preempted meanwhile, or not part of this step
             update = RequestUpdate(out.request_id, prompt_logprobs=out.prompt_logprobs)
             if out.error:
                 update.finish_reason, update.error = "error", out.error
-            else:
-                request.num_computed_tokens += num_scheduled
-                # Only the step that completes the request's known tokens samples one.
+                request.num_computed_tokens = entry.start  # its KV from here is not trusted
+            elif entry.samples:
                 token = out.sampled_token_id
-                if token is not None and request.num_computed_tokens == request.num_tokens:
+                request.num_pending_tokens -= 1
+                if token is None:
+                    update.finish_reason, update.error = "error", "the executor sampled nothing"
+                else:
                     request.output_token_ids.append(token)
                     update.new_token_ids = [token]
                     update.logprobs = None if out.logprobs is None else [out.logprobs]

@@ -92,7 +92,15 @@ class SchedulerBase(abc.ABC):
     - `finish_requests(ids, reason)` ends requests from outside ("abort" from a client that
       left, "stop" for a stop string): free their blocks; unknown or finished ids are ignored.
     - When every request has finished, no KV block may be held.
+
+    A scheduler that sets `supports_pipelining` lets the engine call `schedule()` again before
+    the previous step's result is applied (results are then applied in step order); it must
+    count tokens in flight itself (the default scheduler's placeholders). Others are driven one
+    step at a time.
     """
+
+    #: Whether `schedule()` may run again before the previous step's result is applied.
+    supports_pipelining: bool = False
 
     def __init__(self, config: SchedulerConfig) -> None:
         config.validate()

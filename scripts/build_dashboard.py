@@ -31,7 +31,7 @@ def quantile(q: float, metric: str, by: str = "", sel: str = MA) -> str:
 
 
 def latency(metric: str, by: str = "") -> list[tuple[str, str]]:
-    prefix = "{{%s}} " % by if by else ""
+    prefix = "{{" + by + "}} " if by else ""
     return [(f"{prefix}p{int(q * 100)}", quantile(q, metric, by)) for q in (0.5, 0.9, 0.99)]
 
 

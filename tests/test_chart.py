@@ -235,6 +235,7 @@ EXPECTED_OBJECTS = {
         ("ServiceAccount", "tandem"), ("Deployment", CTRL), ("Service", CTRL),
         ("StatefulSet", GPU), ("Service", GPU), ("PodDisruptionBudget", GPU),
         ("NetworkPolicy", GPU), ("ServiceMonitor", CTRL), ("ConfigMap", "tandem-dashboards"),
+        ("PodMonitor", "tandem-executors"),
     },
     "tpu-values.yaml": {
         ("ServiceAccount", "tandem"), ("Deployment", CTRL), ("Service", CTRL),
@@ -247,6 +248,7 @@ EXPECTED_OBJECTS = {
         ("NetworkPolicy", GPU), ("HorizontalPodAutoscaler", GPU),
         ("StatefulSet", TPU), ("Service", TPU), ("PodDisruptionBudget", TPU),
         ("NetworkPolicy", TPU), ("PodMonitor", CTRL), ("ConfigMap", "tandem-dashboards"),
+        ("PodMonitor", "tandem-executors"),
     },
 }
 VALUES_FILES = sorted(EXPECTED_OBJECTS)
@@ -305,9 +307,20 @@ def test_controller_discovers_each_pool_through_its_headless_service(rendered, v
         assert not selects(service["spec"]["selector"],
                            pod_labels(m.get("Deployment", CTRL)))
         (svc_port,) = service["spec"]["ports"]
-        (cport,) = container(sts, "executor")["ports"]
+        cport, metrics_port = container(sts, "executor")["ports"]
         assert int(port) == svc_port["port"] == cport["containerPort"]
         assert svc_port["targetPort"] == cport["name"] == "grpc"
+        # Each executor serves its own metrics; the executors' PodMonitor scrapes that port.
+        assert metrics_port["name"] == "metrics"
+        assert flag_values(container(sts, "executor")["args"], "--metrics-port") == [
+            str(metrics_port["containerPort"])]
+        if {("ServiceMonitor", CTRL), ("PodMonitor", CTRL)} & m.kinds_names():
+            monitor = m.get("PodMonitor", "tandem-executors")["spec"]
+            assert monitor["podMetricsEndpoints"][0]["port"] == "metrics"
+            labels = pod_labels(sts)
+            sel = monitor["selector"]
+            assert all(labels.get(k) == v for k, v in sel["matchLabels"].items())
+            assert labels["app.kubernetes.io/component"] in sel["matchExpressions"][0]["values"]
         executor_args = container(sts, "executor")["args"]
         assert flag_values(executor_args, "--port") == [port]
         assert flag_values(executor_args, "--host") == ["0.0.0.0"]
@@ -469,14 +482,16 @@ def test_network_policy_admits_only_the_controller(rendered, values_file):
         policy = m.get("NetworkPolicy", name)["spec"]
         assert policy["policyTypes"] == ["Ingress"]
         assert policy["podSelector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"]
-        (rule,) = policy["ingress"]
+        rule, metrics_rule = policy["ingress"]
         (peer,) = rule["from"]
         assert set(peer) == {"podSelector"}  # same namespace, no ipBlock, no namespaceSelector
         assert selects(peer["podSelector"]["matchLabels"], controller_labels)
         for other in executors:
             assert not selects(peer["podSelector"]["matchLabels"], pod_labels(other))
-        port = container(sts, "executor")["ports"][0]["containerPort"]
+        port, metrics_port = (p["containerPort"] for p in container(sts, "executor")["ports"])
         assert rule["ports"] == [{"port": port, "protocol": "TCP"}]
+        # Anyone allowed to scrape reaches the metrics port, and only that port.
+        assert metrics_rule["ports"] == [{"port": metrics_port, "protocol": "TCP"}]
 
 
 # --- model sources -----------------------------------------------------------------------------
@@ -610,7 +625,7 @@ def test_network_policy_extra_ingress(renderer, tmp_path):
     m = renderer.render("gpu-values.yaml", {"networkPolicy": {"extraIngress": [extra]}},
                         tmp_path=tmp_path)
     policy = m.get("NetworkPolicy", GPU)
-    assert policy["spec"]["ingress"][1] == extra
+    assert policy["spec"]["ingress"][2] == extra
     validate_k8s(policy)
 
 
@@ -650,11 +665,25 @@ def test_values_yaml_meets_its_schema():
 
 
 def _exported_metric_names() -> set[str]:
-    """The series names the controller's /metrics exposes (prometheus_client's suffixes)."""
+    """The series names the controller's /metrics and the executors' metrics ports expose
+    (prometheus_client's suffixes)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+
+    from common.executor_metrics import ExecutorMetrics
+    from controller.fleet_collector import FleetCollector
     from controller.metrics import EngineMetrics
 
+    engine = SimpleNamespace(runners={}, waiting={},
+                             config=SimpleNamespace(enable_prefix_caching=True))
+    worker = SimpleNamespace(device_kind="cpu", device_name="cpu", memory_usage=dict)
+    ExecutorMetrics(worker)
+    families = [*EngineMetrics("m").registry.collect(),
+                *FleetCollector(engine, "m").collect(),
+                *(f for f in REGISTRY.collect() if f.name.startswith("tandem:"))]
     names = set()
-    for family in EngineMetrics("m").registry.collect():
+    for family in families:
         if family.type == "counter":
             names |= {family.name + "_total", family.name + "_created"}
         elif family.type == "histogram":
@@ -674,10 +703,10 @@ def test_dashboards_configmap(rendered):
         assert text == next((CHART / "dashboards").rglob(name)).read_text()
         dash = json.loads(text)
         assert dash["uid"] and dash["title"] and dash["panels"]
-        exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+        exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
         assert exprs
         for expr in exprs:
-            used = set(re.findall(r"\b((?:vllm|tandem):[a-z_:]+)", expr))
+            used = set(re.findall(r"\b((?:vllm|tandem):[a-z0-9_:]+)", expr))
             assert used and used <= exported, (name, expr, used - exported)
 
 
@@ -758,3 +787,46 @@ def test_renderer_follows_helm(renderer, tmp_path):
     }
     with pytest.raises(RenderError, match="z is required"):
         renderer.render(None, {"needZ": True}, tmp_path=vals, chart=chart)
+
+
+def test_security_secrets_and_flags(renderer, tmp_path):
+    """API keys, HTTPS, executor mTLS and the executor token: Secrets mounted, flags set,
+    probes still able to answer (kubelet gRPC probes on the plaintext health port)."""
+    m = renderer.render("gpu-values.yaml", {"security": {
+        "apiKeys": {"existingSecret": "api-keys"},
+        "https": {"secretName": "controller-https"},
+        "executorTLS": {"enabled": True, "secretName": "executor-tls",
+                        "clientSecretName": "controller-tls"},
+        "executorToken": {"existingSecret": "executor-token"},
+    }}, tmp_path=tmp_path)
+    dep = m.get("Deployment", CTRL)
+    c = container(dep, "controller")
+    args = c["args"]
+    assert flag_values(args, "--api-key-file") == ["/etc/tandem/api-keys/api-keys"]
+    assert flag_values(args, "--auth-exempt-path") == ["/health", "/metrics", "/version"]
+    assert flag_values(args, "--ssl-certfile") == ["/etc/tandem/https/tls.crt"]
+    assert flag_values(args, "--executor-tls-ca") == ["/etc/tandem/executor-tls/ca.crt"]
+    assert flag_values(args, "--executor-tls-cert") == ["/etc/tandem/executor-tls/tls.crt"]
+    assert flag_values(args, "--executor-tls-server-name") == ["tandem-executor"]
+    assert flag_values(args, "--auth-token-file") == ["/etc/tandem/executor-token/token"]
+    assert args[-2:] == ["--max-num-seqs", "256"]  # extraArgs stay last
+    assert volume(dep, "executor-tls")["secret"]["secretName"] == "controller-tls"
+    assert volume(dep, "api-keys")["secret"]["secretName"] == "api-keys"
+    assert mount(c, "https")["readOnly"] is True
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["scheme"] == "HTTPS"
+    sts = m.get("StatefulSet", GPU)
+    e = container(sts, "executor")
+    assert flag_values(e["args"], "--tls-cert") == ["/etc/tandem/tls/tls.crt"]
+    assert flag_values(e["args"], "--tls-client-ca") == ["/etc/tandem/tls/ca.crt"]
+    assert flag_values(e["args"], "--health-port") == ["50052"]
+    assert flag_values(e["args"], "--auth-token-file") == ["/etc/tandem/executor-token/token"]
+    assert volume(sts, "tls")["secret"]["secretName"] == "executor-tls"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert e[probe]["grpc"] == {"port": 50052}
+    assert {"name": "grpc-health", "containerPort": 50052, "protocol": "TCP"} in e["ports"]
+    for doc in m.docs:
+        validate_k8s(doc)
+    plain = renderer.render("gpu-values.yaml", tmp_path=tmp_path)
+    args = container(plain.get("Deployment", CTRL), "controller")["args"]
+    assert not [a for a in args if a.startswith(("--api-key", "--executor-tls", "--ssl"))]

@@ -159,4 +159,5 @@ def test_models_health_and_admin_show_the_fleet(fleet):
     kinds = {e["kind"] for e in admin["executors"]}
     assert len(kinds) == (2 if SECOND == "executor_tpu" else 1), kinds
     metrics = httpx.get(base + "/metrics").text
-    assert 'tandem:executors{model_name="' in metrics and "tandem:placements_total" in metrics
+    assert 'tandem:executors{accelerator="tpu",model_name="' in metrics
+    assert "tandem:placements_total" in metrics

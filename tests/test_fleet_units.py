@@ -124,6 +124,7 @@ class _FakeEngine:
 
     def __init__(self):
         self.config = ControllerConfig(model="unused", executors=["127.0.0.1:1"])
+        self.executor_security = None  # plaintext channels
 
 
 def _runner_with_scheduler():

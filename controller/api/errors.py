@@ -15,6 +15,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         err_type: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.message = message  # human-readable reason
@@ -22,6 +23,7 @@ class APIError(Exception):
         self.param = param  # the offending parameter, if one
         self.code = code  # machine-readable code
         self.err_type = err_type or _default_type(status)  # OpenAI error type
+        self.headers = headers or {}  # extra response headers (Retry-After, WWW-Authenticate)
 
 
 def _default_type(status: int) -> str:
@@ -40,6 +42,7 @@ def error_response(err: APIError) -> JSONResponse:
     """The JSON body OpenAI clients parse: {"error": {message, type, param, code}}."""
     return JSONResponse(
         status_code=err.status,
+        headers=err.headers or None,
         content={
             "error": {
                 "message": err.message,

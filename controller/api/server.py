@@ -12,7 +12,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from controller.api.auth import DEFAULT_EXEMPT_PATHS, APIKeyAuth
 from controller.api.errors import APIError, error_response
+from controller.api.limits import BodySizeLimit
 from controller.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,6 +55,12 @@ def create_app(engine: Engine, serving: OpenAIServing, start_engine: bool = True
             await engine.stop()
 
     app = FastAPI(title="Tandem", version=VERSION, lifespan=lifespan)
+    cfg = engine.config
+    # Outermost first: keys are checked before a body is read.
+    app.add_middleware(BodySizeLimit, max_bytes=getattr(cfg, "max_request_bytes", 0))
+    app.add_middleware(APIKeyAuth, keys=list(getattr(cfg, "api_keys", ())),
+                       exempt_paths=getattr(cfg, "auth_exempt_paths", DEFAULT_EXEMPT_PATHS))
+    admission = serving.admission
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -98,16 +106,23 @@ def create_app(engine: Engine, serving: OpenAIServing, start_engine: bool = True
     @app.get("/health")
     async def health():
         states = engine.executors_state()
-        state = {"status": "ok" if engine.healthy else "unavailable",
+        ok = engine.healthy and not admission.draining
+        status = "draining" if admission.draining else "ok" if ok else "unavailable"
+        state = {"status": status,
                  "healthy_executors": sum(e["healthy"] for e in states),
                  "executors": [{k: e[k] for k in _HEALTH_FIELDS} for e in states]}
-        return JSONResponse(state, status_code=200 if engine.healthy else 503)
+        return JSONResponse(state, status_code=200 if ok else 503)
 
     @app.get("/admin/executors")
     async def executors():
         return {"executors": engine.executors_state(),
                 "requests_waiting_for_executor": len(engine.waiting),
-                "summary": engine.fleet_summary()}
+                "summary": engine.fleet_summary(),
+                "admission": {"active_responses": admission.active,
+                              "queued_requests": admission.queued_requests,
+                              "queued_tokens": admission.queued_tokens,
+                              "rejected": admission.rejected,
+                              "draining": admission.draining}}
 
     @app.get("/metrics")
     async def metrics():
@@ -120,22 +135,14 @@ def create_app(engine: Engine, serving: OpenAIServing, start_engine: bool = True
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         serving.check_model(body.model)
-        tok = serving.tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise APIError("Give exactly one of prompt or messages.", 400, "prompt")
         if body.messages is not None:
-            try:
-                text = tok.apply_chat_template(
-                    [m.model_dump(exclude_none=True) for m in body.messages],
-                    add_generation_prompt=body.add_generation_prompt,
-                )
-            except ValueError as exc:
-                raise APIError(
-                    f"Cannot apply the chat template: {exc}", 400, "messages"
-                ) from exc
-            ids = tok.encode(text, add_special_tokens=False)
+            text = serving.render_chat([m.model_dump(exclude_none=True) for m in body.messages],
+                                       body.add_generation_prompt)
+            ids = serving.encode(text, "messages", add_special_tokens=False)
         else:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = serving.encode(body.prompt, "prompt", body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")

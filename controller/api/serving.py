@@ -14,12 +14,17 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from common.step_types import SamplingParams, TokenLogprobs
+from controller.admission import ABORT, Admission, AdmissionLimits, AdmissionRejected, Ticket
 from controller.api import formats
 from controller.api.errors import APIError
 from controller.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from controller.engine import Engine, NoExecutorError
 from controller.outputs import GenerationRequest, OutputDelta
 from controller.tokenizer import Tokenizer
+
+# Template inputs the server sets itself; chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_VARS = frozenset(
+    {"messages", "add_generation_prompt", "tools", "documents", "chat_template"})
 
 
 @dataclass
@@ -48,17 +53,32 @@ class Prompt:
 class OpenAIServing:
     """Handlers for /v1/completions and /v1/chat/completions."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, max_logprobs: int):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, max_logprobs: int,
+                 admission: Admission | None = None):
         self.engine = engine  # the engine
         self.tokenizer = tokenizer  # the model's tokenizer
         self.model_name = model_name  # served name
         self.max_logprobs = max_logprobs  # bound on requested logprobs
+        self.admission = admission or Admission(AdmissionLimits())  # queue bounds, shutdown
 
     # --- validation ---------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(f"The model `{model}` does not exist.", 404, "model", "model_not_found")
+
+    def check_draining(self) -> None:
+        """503 at once while the controller shuts down."""
+        if self.admission.draining:
+            self._admit([])
+
+    def _admit(self, gens: list[GenerationRequest]) -> Ticket:
+        """Admit a response's sequences, or raise the APIError that refuses it."""
+        try:
+            return self.admission.admit([len(g.prompt_token_ids) for g in gens])
+        except AdmissionRejected as exc:
+            headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
+            raise APIError(exc.message, exc.status, code=exc.code, headers=headers) from None
 
     async def wait_for_executor(self) -> None:
         """Hold the request until some executor is healthy; 503 after the fleet's timeout."""
@@ -68,6 +88,28 @@ class OpenAIServing:
     def _check_logprobs(self, k: int | None, param: str) -> None:
         if k is not None and k > self.max_logprobs:
             raise APIError(f"{param} must be at most {self.max_logprobs}", 400, param)
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of client text; 400 when it is not valid Unicode (lone surrogates)."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except (TypeError, ValueError, UnicodeError) as exc:
+            raise APIError(f"{param} is not valid Unicode text: {exc}", 400, param) from exc
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                    tools: list | None = None, extra: dict | None = None) -> str:
+        """The chat template applied to client messages; 400 when the template cannot render
+        them (the messages, tools and variables are the client's)."""
+        clash = sorted(_RESERVED_TEMPLATE_VARS & set(extra or ()))
+        if clash:
+            raise APIError(f"chat_template_kwargs may not set {', '.join(clash)}", 400,
+                           "chat_template_kwargs")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                **(extra or {}))
+        except Exception as exc:  # whatever the client's input makes the template raise
+            raise APIError(f"Cannot apply the chat template: {exc}", 400, "messages") from exc
 
     def _check_ids(self, ids: list[int], param: str) -> None:
         vocab = self.tokenizer.vocab_size
@@ -99,10 +141,11 @@ class OpenAIServing:
     def _sampling(self, req: _SamplingFields, logprobs: int | None, prompt_lp: int | None,
                   seed_offset: int) -> SamplingParams:
         temperature = 1.0 if req.temperature is None else req.temperature
+        top_k = max(0, req.top_k or 0)
         return SamplingParams(
             temperature=temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(0, req.top_k or 0),
+            top_k=0 if top_k >= self.tokenizer.vocab_size else top_k,  # all tokens: off
             min_p=req.min_p or 0.0,
             seed=None if req.seed is None else req.seed + seed_offset,
             presence_penalty=req.presence_penalty or 0.0,
@@ -129,14 +172,15 @@ class OpenAIServing:
             limit = self._max_tokens(max_tokens, len(prompt.token_ids))
             for j in range(req.n):
                 sampling = self._sampling(req, logprobs, prompt_lp, j)
-                if req.min_tokens:
-                    sampling.min_tokens, sampling.stop_token_ids = req.min_tokens, ending
+                min_tokens = min(req.min_tokens, limit)
+                if min_tokens:
+                    sampling.min_tokens, sampling.stop_token_ids = min_tokens, ending
                 gens.append(GenerationRequest(
                     request_id=f"{base}-{p_index}-{j}",
                     prompt_token_ids=prompt.token_ids,
                     sampling=sampling,
                     max_tokens=limit,
-                    min_tokens=req.min_tokens,
+                    min_tokens=min_tokens,
                     stop=stop,
                     stop_token_ids=stop_ids,
                     ignore_eos=req.ignore_eos,
@@ -148,9 +192,14 @@ class OpenAIServing:
 
     # --- running ------------------------------------------------------------------------
 
-    async def _run(self, gens: list[GenerationRequest]) -> AsyncIterator[tuple[int, OutputDelta]]:
-        """Run all requests concurrently; yield (index, delta) as they come; abort on exit."""
+    async def _run(self, gens: list[GenerationRequest],
+                   ticket: Ticket) -> AsyncIterator[tuple[int, OutputDelta]]:
+        """Run all requests concurrently; yield (index, delta) as they come; abort on exit.
+
+        When the ticket is aborted (shutdown), every unfinished request ends with "abort".
+        """
         queue: asyncio.Queue = asyncio.Queue()
+        ticket.attach(queue)
 
         async def pump(i: int, gen: GenerationRequest) -> None:
             try:
@@ -161,28 +210,38 @@ class OpenAIServing:
                 queue.put_nowait((i, exc))
 
         tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        finished = [False] * len(gens)
         try:
             remaining = len(gens)
             while remaining:
                 i, item = await queue.get()
+                if item is ABORT:
+                    for j, gen in enumerate(gens):
+                        if not finished[j]:
+                            yield j, OutputDelta(gen.request_id, finished=True,
+                                                 finish_reason="abort")
+                    return
+                ticket.started(i)
                 if isinstance(item, NoExecutorError):
                     raise APIError(str(item), 503, code="no_healthy_executor")
                 if isinstance(item, Exception):
                     raise item
                 if item.finished:
                     remaining -= 1
+                    finished[i] = True
                 yield i, item
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _collect(self, gens: list[GenerationRequest], http: HTTPRequest) -> list[Choice]:
+    async def _collect(self, gens: list[GenerationRequest], http: HTTPRequest,
+                       ticket: Ticket) -> list[Choice]:
         """Run to completion (non-streaming); abort everything if the client leaves."""
         choices = [Choice(index=i, prompt_index=0) for i in range(len(gens))]
 
         async def collect() -> None:
-            async with contextlib.aclosing(self._run(gens)) as deltas:
+            async with contextlib.aclosing(self._run(gens, ticket)) as deltas:
                 async for i, d in deltas:
                     _apply(choices[i], d)
 
@@ -200,6 +259,7 @@ class OpenAIServing:
         finally:
             if not task.done():
                 task.cancel()
+            ticket.close()
 
     # --- completions --------------------------------------------------------------------
 
@@ -216,7 +276,7 @@ class OpenAIServing:
         out = []
         for item in items:
             if isinstance(item, str):
-                out.append(Prompt(self.tokenizer.encode(item), item))
+                out.append(Prompt(self.encode(item, "prompt"), item))
             else:
                 out.append(Prompt(list(item), None))
         return out
@@ -228,6 +288,7 @@ class OpenAIServing:
         if req.best_of not in (None, req.n):
             raise APIError("best_of must equal n", 400, "best_of")
         self._check_logprobs(req.logprobs, "logprobs")
+        self.check_draining()
         await self.wait_for_executor()
         prompts = self._completion_prompts(req)
         prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
@@ -235,10 +296,11 @@ class OpenAIServing:
         meta = formats.ResponseMeta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name)
         fmt = formats.CompletionFormatter(self.tokenizer, meta, prompts, req.n, req.echo,
                                           req.logprobs, req.return_token_ids)
+        ticket = self._admit(gens)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._sse(gens, fmt.stream_chunk, fmt, include_usage)
-        choices = await self._collect(gens, http)
+            return self._sse(gens, fmt.stream_chunk, fmt, include_usage, ticket)
+        choices = await self._collect(gens, http, ticket)
         for c in choices:
             c.prompt_index = c.index // req.n
         return JSONResponse(fmt.response(choices))
@@ -251,16 +313,12 @@ class OpenAIServing:
         if top is not None and not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", 400, "top_logprobs")
         self._check_logprobs(top, "top_logprobs")
+        self.check_draining()
         await self.wait_for_executor()
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools,
-                **(req.chat_template_kwargs or {}),
-            )
-        except ValueError as exc:
-            raise APIError(f"Cannot apply the chat template: {exc}", 400, "messages") from exc
-        prompt = Prompt(self.tokenizer.encode(text, add_special_tokens=False), text)
+        text = self.render_chat(messages, req.add_generation_prompt, req.tools,
+                                req.chat_template_kwargs)
+        prompt = Prompt(self.encode(text, "messages", add_special_tokens=False), text)
         logprobs = (top or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
         gens = self._generation_requests(req, [prompt], max_tokens, logprobs, None)
@@ -268,21 +326,22 @@ class OpenAIServing:
                                     self.model_name)
         fmt = formats.ChatFormatter(self.tokenizer, meta, prompt, req.logprobs,
                                     req.return_token_ids)
+        ticket = self._admit(gens)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._sse(gens, fmt.stream_chunk, fmt, include_usage)
-        choices = await self._collect(gens, http)
+            return self._sse(gens, fmt.stream_chunk, fmt, include_usage, ticket)
+        choices = await self._collect(gens, http, ticket)
         return JSONResponse(fmt.response(choices))
 
     # --- streaming ----------------------------------------------------------------------
 
     def _sse(self, gens: list[GenerationRequest], chunk: Callable, fmt,
-             include_usage: bool) -> StreamingResponse:
+             include_usage: bool, ticket: Ticket) -> StreamingResponse:
         choices = [Choice(index=i, prompt_index=i // max(1, fmt.n)) for i in range(len(gens))]
 
         async def events() -> AsyncIterator[str]:
             try:
-                async with contextlib.aclosing(self._run(gens)) as deltas:
+                async with contextlib.aclosing(self._run(gens, ticket)) as deltas:
                     for prelude in fmt.stream_prelude(len(gens), include_usage):
                         yield _sse_line(prelude)
                     async for i, d in deltas:
@@ -303,8 +362,23 @@ class OpenAIServing:
                                            "param": err.param, "code": err.code}})
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return _TicketedStream(ticket, events(), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
+
+
+class _TicketedStream(StreamingResponse):
+    """A streamed response that releases its admission ticket however it ends (even when
+    the client leaves before the body starts)."""
+
+    def __init__(self, ticket: Ticket, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ticket = ticket  # released when the response is over
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.close()
 
 
 def _apply(choice: Choice, d: OutputDelta) -> None:

@@ -1,0 +1,321 @@
+"""Control-plane cost: how busy the controller keeps simulated devices, and what it spends.
+
+For each point of a grid (running requests x executors) this starts N simulated executors
+(`python -m executor_sim`, one process each, with a Prometheus port) and a controller in front
+of them, keeps R long non-streamed requests in flight (closed loop: a finished one is replaced),
+waits until all R run, then measures over a steady window:
+
+- device busy fraction: the executors' busy seconds / (N x wall seconds) (from the sims), and
+  the "ideal" share the latency model alone accounts for (busy exceeds it when the simulators
+  themselves wait for a core on a loaded machine);
+- controller CPU per step and per generated token: its utime + stime (/proc/PID/stat) over the
+  window, divided by the steps and sampled tokens the sims counted; also the share of the
+  window its event loop waited for a core (/proc/PID/task/PID/schedstat): high on a crowded
+  machine, where the step rate says more about the machine than about the controller;
+- gRPC bytes per request per decode step: StepRequest bytes of pure decode steps / the
+  requests they scheduled.
+
+    python benchmarks/controlplane.py --running 16,64,256 --executors 1,4,16 --json cp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common.models import load_model_geometry  # noqa: E402
+from tests.conftest import (  # noqa: E402
+    LiveServer,
+    free_port,
+    model_dir,
+    spawn_controller,
+    spawn_executor,
+    wait_until,
+)
+
+SIM_COUNTERS = ("busy_seconds", "modeled_seconds", "steps", "sampled_tokens",
+                "scheduled_requests", "step_request_bytes", "decode_steps",
+                "decode_step_request_bytes", "decode_scheduled_requests")
+
+
+@dataclass
+class PointResult:
+    """What one grid point measured over its steady window."""
+
+    executors: int  # simulated executors
+    running: int  # requests kept in flight
+    window_s: float  # wall seconds measured
+    busy_fraction: float  # executor busy seconds / (executors x window)
+    modeled_fraction: float  # modeled step seconds / (executors x window): the ideal busy part
+    steps_per_s: float  # steps per second, all executors together
+    tokens_per_s: float  # sampled tokens per second, all executors together
+    batch_per_step: float  # scheduled requests per step
+    controller_cpu_util: float  # controller CPU seconds per wall second (1.0 = one core)
+    controller_wait_frac: float  # share of the window its event loop waited for a free core
+    cpu_ms_per_step: float  # controller CPU milliseconds per step
+    cpu_us_per_token: float  # controller CPU microseconds per generated token
+    bytes_per_request_decode: float  # StepRequest bytes per request in pure decode steps
+    bytes_per_request_all: float  # StepRequest bytes per scheduled request, every step
+    running_at_end: int  # requests the controller reported running after the window
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_queue_seconds(pid: int) -> float:
+    """Seconds the process's main thread has spent runnable but waiting for a core (a busy
+    machine shows here, not in the CPU time)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):  # no schedstats in this kernel
+        return 0.0
+
+
+def scrape_sim(client: httpx.Client, port: int) -> dict[str, float]:
+    """The tandem_sim:* counters of one simulated executor, without prefix and _total."""
+    values = {}
+    for line in client.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
+        if line.startswith("tandem_sim:"):
+            name, _, value = line.partition(" ")
+            values[name[len("tandem_sim:"):].removesuffix("_total")] = float(value)
+    return values
+
+
+def snapshot(client: httpx.Client, ports: list[int], controller_pid: int) -> dict[str, float]:
+    """Wall time, controller CPU and the sims' counters summed over executors."""
+    totals = dict.fromkeys(SIM_COUNTERS, 0.0)
+    for port in ports:
+        for name, value in scrape_sim(client, port).items():
+            if name in totals:
+                totals[name] += value
+    totals["cpu"] = cpu_seconds(controller_pid)
+    totals["runq"] = run_queue_seconds(controller_pid)
+    totals["wall"] = time.perf_counter()
+    return totals
+
+
+def fleet_state(base_url: str) -> tuple[int, int, int]:
+    """(healthy executors, running requests, waiting requests) across the fleet."""
+    state = httpx.get(base_url + "/admin/executors", timeout=10).json()
+    execs = state["executors"]
+    waiting = sum(e["waiting"] for e in execs) + state.get("requests_waiting_for_executor", 0)
+    return sum(e["healthy"] for e in execs), sum(e["running"] for e in execs), waiting
+
+
+async def keep_in_flight(base_url: str, model: str, running: int, input_len: int,
+                         output_len: int, vocab: int, stop: asyncio.Event) -> None:
+    """Keep `running` non-streamed completions in flight until `stop` (then abort them)."""
+    limits = httpx.Limits(max_connections=running + 4, max_keepalive_connections=running + 4)
+    rng = random.Random(0)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        async def worker() -> None:
+            while not stop.is_set():
+                prompt = [rng.randrange(100, vocab) for _ in range(input_len)]
+                body = {"model": model, "prompt": prompt, "max_tokens": output_len,
+                        "temperature": 0, "ignore_eos": True}
+                try:
+                    await client.post(base_url + "/v1/completions", json=body)
+                except httpx.HTTPError:
+                    await asyncio.sleep(0.1)
+
+        tasks = [asyncio.create_task(worker()) for _ in range(running)]
+        await stop.wait()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def measure(before: dict, after: dict, executors: int, running: int,
+            running_at_end: int) -> PointResult:
+    """The PointResult of the window between two snapshots."""
+    d = {k: after[k] - before[k] for k in before}
+    wall, steps, tokens = d["wall"], max(d["steps"], 1.0), max(d["sampled_tokens"], 1.0)
+    return PointResult(
+        executors=executors, running=running, window_s=wall,
+        busy_fraction=d["busy_seconds"] / (executors * wall),
+        modeled_fraction=d["modeled_seconds"] / (executors * wall),
+        steps_per_s=d["steps"] / wall, tokens_per_s=d["sampled_tokens"] / wall,
+        batch_per_step=d["scheduled_requests"] / steps,
+        controller_cpu_util=d["cpu"] / wall,
+        controller_wait_frac=d["runq"] / wall,
+        cpu_ms_per_step=1e3 * d["cpu"] / steps,
+        cpu_us_per_token=1e6 * d["cpu"] / tokens,
+        bytes_per_request_decode=d["decode_step_request_bytes"]
+        / max(d["decode_scheduled_requests"], 1.0),
+        bytes_per_request_all=d["step_request_bytes"] / max(d["scheduled_requests"], 1.0),
+        running_at_end=running_at_end,
+    )
+
+
+def controller_args(a: argparse.Namespace, ports: list[int], running: int) -> list[str]:
+    """Controller flags for one point: room for every request in a step and in the KV pool."""
+    executors = len(ports)
+    per_executor = math.ceil(running / executors * 1.25) + 4
+    blocks = per_executor * math.ceil((a.input_len + a.output_len + 1) / 16) + 64
+    args = ["--max-num-seqs", str(max(running, 16)),
+            "--max-num-batched-tokens", str(max(2048, running)),
+            "--num-kv-blocks", str(blocks), "--max-queued-requests", "0",
+            "--log-level", "WARNING"]
+    for port in ports:
+        args += ["--executor", f"127.0.0.1:{port}"]
+    return args
+
+
+def run_point(a: argparse.Namespace, tmp: str, ports: list[int], metric_ports: list[int],
+              running: int, vocab: int) -> PointResult:
+    """Start a controller on the running sims, load it, measure the window, stop it."""
+    server: LiveServer = spawn_controller(a.model, tmp, controller_args(a, ports, running),
+                                          name=f"controller-{len(ports)}x{running}")
+    try:
+        wait_until(lambda: fleet_state(server.base_url)[0] == len(ports), a.settle_timeout,
+                   f"{len(ports)} healthy executors", logs=tmp)
+        return asyncio.run(_drive(a, server, metric_ports, running, vocab, tmp))
+    finally:
+        server.stop()
+
+
+async def _drive(a: argparse.Namespace, server: LiveServer, metric_ports: list[int],
+                 running: int, vocab: int, tmp: str) -> PointResult:
+    stop = asyncio.Event()
+    load = asyncio.create_task(keep_in_flight(server.base_url, server.model_name, running,
+                                              a.input_len, a.output_len, vocab, stop))
+
+    def steady() -> bool:
+        _, now_running, waiting = fleet_state(server.base_url)
+        return now_running >= running and waiting == 0
+
+    try:
+        await asyncio.to_thread(wait_until, steady, a.settle_timeout,
+                                f"{running} running requests", 0.25, tmp)
+        await asyncio.sleep(a.settle)
+        with httpx.Client() as client:
+            pid = server.controller.pid
+            before = await asyncio.to_thread(snapshot, client, metric_ports, pid)
+            await asyncio.sleep(a.window)
+            after = await asyncio.to_thread(snapshot, client, metric_ports, pid)
+        _, at_end, _ = await asyncio.to_thread(fleet_state, server.base_url)
+    finally:
+        stop.set()
+        await load
+    return measure(before, after, len(metric_ports), running, at_end)
+
+
+def start_sims(a: argparse.Namespace, tmp: str, count: int) -> tuple[list, list[int], list[int]]:
+    """Start `count` simulated executors; return (processes, gRPC ports, metrics ports)."""
+    procs, ports, metric_ports = [], [], []
+    for i in range(count):
+        metrics_port = free_port()
+        extra = ["--metrics-port", str(metrics_port), "--num-blocks", "16",
+                 "--step-fixed-ms", str(a.step_fixed_ms),
+                 "--step-per-token-us", str(a.step_per_token_us),
+                 "--step-per-request-us", str(a.step_per_request_us),
+                 "--seed", str(i), "--log-level", "WARNING"]
+        proc, port = spawn_executor("executor_sim", a.model, tmp, f"sim{count}-{i}", extra=extra)
+        procs.append(proc)
+        ports.append(port)
+        metric_ports.append(metrics_port)
+    with httpx.Client() as client:
+        for port in metric_ports:
+            wait_until(lambda p=port: scrape_sim(client, p), 120, f"sim metrics on :{port}",
+                       logs=tmp)
+    return procs, ports, metric_ports
+
+
+def stop_processes(procs: list) -> None:
+    """SIGTERM, then SIGKILL what is still up after 10 s."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.time() + 10
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except Exception:
+            p.kill()
+            p.wait()
+
+
+def format_table(points: list[PointResult]) -> str:
+    """The results as an aligned text table."""
+    head = (f"{'execs':>5} {'running':>7} {'busy%':>6} {'ideal%':>6} {'steps/s':>8} "
+            f"{'tok/s':>8} {'batch':>6} {'ctl_cpu%':>8} {'ctl_wait%':>9} {'cpu_ms/step':>11} "
+            f"{'cpu_us/tok':>10} {'B/req/decode':>12}")
+    rows = [head]
+    for p in points:
+        rows.append(
+            f"{p.executors:>5} {p.running:>7} {100 * p.busy_fraction:>6.1f} "
+            f"{100 * p.modeled_fraction:>6.1f} {p.steps_per_s:>8.1f} {p.tokens_per_s:>8.0f} "
+            f"{p.batch_per_step:>6.1f} {100 * p.controller_cpu_util:>8.1f} "
+            f"{100 * p.controller_wait_frac:>9.1f} "
+            f"{p.cpu_ms_per_step:>11.3f} {p.cpu_us_per_token:>10.1f} "
+            f"{p.bytes_per_request_decode:>12.1f}")
+    return "\n".join(rows)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=model_dir(), help="HF model dir (tokenizer, geometry)")
+    p.add_argument("--running", type=_ints, default=[16, 64, 256],
+                   help="requests kept in flight, comma-separated (e.g. 16,64,256,1024)")
+    p.add_argument("--executors", type=_ints, default=[1, 4, 16],
+                   help="simulated executors, comma-separated (e.g. 1,4,16,64)")
+    p.add_argument("--window", type=float, default=5.0, help="seconds measured per point")
+    p.add_argument("--settle", type=float, default=1.0,
+                   help="seconds waited after every request runs, before the window")
+    p.add_argument("--settle-timeout", type=float, default=180.0,
+                   help="most seconds to wait for executors and for every request to run")
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens")
+    p.add_argument("--output-len", type=int, default=2048,
+                   help="max tokens per request (long: requests keep running)")
+    p.add_argument("--step-fixed-ms", type=float, default=10.0, help="sim: ms per step")
+    p.add_argument("--step-per-token-us", type=float, default=20.0, help="sim: us per token")
+    p.add_argument("--step-per-request-us", type=float, default=0.0, help="sim: us per request")
+    p.add_argument("--log-dir", default="", help="keep process logs here (default: temporary)")
+    p.add_argument("--json", default="", help="write the results here")
+    a = p.parse_args(argv)
+    vocab = load_model_geometry(a.model).vocab_size
+    points: list[PointResult] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = a.log_dir or scratch
+        os.makedirs(tmp, exist_ok=True)
+        for count in a.executors:
+            procs, ports, metric_ports = start_sims(a, tmp, count)
+            try:
+                for running in a.running:
+                    if running < count:
+                        continue
+                    point = run_point(a, tmp, ports, metric_ports, running, vocab)
+                    points.append(point)
+                    print(format_table([point]).splitlines()[-1], file=sys.stderr, flush=True)
+            finally:
+                stop_processes(procs)
+    print(format_table(points))
+    if a.json:
+        config = {k: v for k, v in vars(a).items() if k not in ("json", "log_dir")}
+        with open(a.json, "w") as f:
+            json.dump({"config": config, "points": [asdict(x) for x in points]}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Prometheus counters of a simulated executor, and the probe that sizes incoming steps.
+
+Counters live in prometheus_client's default registry, which ``--metrics-port`` serves:
+
+- ``tandem_sim:steps_total`` / ``tandem_sim:busy_seconds_total``: steps run and the seconds
+  spent in them (processing plus the modeled sleep); busy / wall time is the device's duty.
+- ``tandem_sim:modeled_seconds_total``: what the latency model asked for (busy exceeds it when
+  the simulator itself is slower than the model).
+- ``tandem_sim:step_request_bytes_total``: serialized size of the StepRequests received.
+- ``tandem_sim:scheduled_requests_total``, ``tandem_sim:scheduled_tokens_total``,
+  ``tandem_sim:sampled_tokens_total``: work done.
+- ``tandem_sim:decode_steps_total``, ``tandem_sim:decode_step_request_bytes_total``,
+  ``tandem_sim:decode_scheduled_requests_total``: the same for pure decode steps only.
+- ``tandem_sim:running_requests``: requests the executor holds.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import Counter, Gauge, disable_created_metrics
+
+from common import convert
+
+_PREFIX = "tandem_sim:"
+_probe = threading.local()  # the size of the StepRequest this thread decoded last
+_shared: SimMetrics | None = None  # the process's counters, created on first use
+
+
+class SimMetrics:
+    """The simulator's counters (one set per process: the default registry)."""
+
+    def __init__(self) -> None:
+        disable_created_metrics()  # this process serves only these series: keep them lean
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(_PREFIX + name, doc)
+
+        self.steps = counter("steps", "Steps run.")
+        self.busy_seconds = counter("busy_seconds", "Seconds spent running steps.")
+        self.modeled_seconds = counter("modeled_seconds", "Step seconds the latency model asked.")
+        self.request_bytes = counter("step_request_bytes", "Bytes of StepRequests received.")
+        self.scheduled_requests = counter("scheduled_requests", "Requests scheduled in steps.")
+        self.scheduled_tokens = counter("scheduled_tokens", "Tokens scheduled in steps.")
+        self.sampled_tokens = counter("sampled_tokens", "Tokens sampled.")
+        self.decode_steps = counter("decode_steps", "Pure decode steps.")
+        self.decode_bytes = counter("decode_step_request_bytes",
+                                    "Bytes of the StepRequests of pure decode steps.")
+        self.decode_requests = counter("decode_scheduled_requests",
+                                       "Requests scheduled in pure decode steps.")
+        self.running = Gauge(_PREFIX + "running_requests", "Requests the executor holds.")
+
+
+def shared_metrics() -> SimMetrics:
+    """The process's counters (a registry holds each name once, so there is one set)."""
+    global _shared
+    if _shared is None:
+        _shared = SimMetrics()
+    return _shared
+
+
+def install_step_size_probe() -> None:
+    """Record the serialized size of every StepRequest the servicer decodes.
+
+    The servicer turns each incoming message into a StepInput with ``convert.step_from_pb``
+    (looked up at call time); wrapping it here measures the exact wire size without touching
+    the servicer. Decoding and executing a step happen on the same thread, so the size is
+    kept per thread and read back by ``take_step_bytes``.
+    """
+    original = convert.step_from_pb
+    if getattr(original, "sim_probe", False):
+        return
+
+    def probed(message):
+        _probe.size = message.ByteSize()
+        return original(message)
+
+    probed.sim_probe = True  # type: ignore[attr-defined]
+    convert.step_from_pb = probed
+
+
+def take_step_bytes() -> int:
+    """The size of the StepRequest this thread decoded last (0 if none), then forget it."""
+    size = getattr(_probe, "size", 0)
+    _probe.size = 0
+    return size
