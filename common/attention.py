@@ -131,34 +131,44 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return out[0].transpose(0, 1)  # [n, heads, d]
 
 
-def torch_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          kv_cache: torch.Tensor | None, meta: AttentionMetadata,
-                          scale: float) -> torch.Tensor:
-    """Reference paged attention over a ragged batch.
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
-    query [T, heads, d], key/value [T, kv_heads, d] for the step's new tokens. The new keys and
-    values are first written to ``kv_cache`` through ``meta.slot_mapping``; each query then
-    attends causally to its own request's cached context. With ``kv_cache=None`` (profiling
-    before the cache exists) nothing is written and every request must start at position 0.
-    Returns [T, heads, d].
-    """
-    if kv_cache is not None:
-        write_kv(kv_cache, key, value, meta.slot_mapping)
-    num_decodes = meta.num_decodes
-    if num_decodes == meta.num_requests and kv_cache is not None:
-        return _decode_attention(query, kv_cache, meta, scale)
-    out = torch.empty_like(query)
-    if num_decodes > 0 and kv_cache is not None:
-        out[:num_decodes] = _decode_attention(query[:num_decodes], kv_cache, meta, scale)
-        first = num_decodes
-    else:
-        first = 0
-    qsl = meta.query_start_loc_host
-    for req in range(first, meta.num_requests):
-        start, end = qsl[req], qsl[req + 1]
-        out[start:end] = _prefill_attention(query[start:end], key[start:end], value[start:end],
-                                            kv_cache, meta, req, scale)
-    return out
+
+def paged_attention_with(decode: DecodeAttention):
+    """A paged-attention backend whose single-token requests go to `decode` (query [N, heads,
+    d], the KV cache, the metadata and the scale -> [N, heads, d]) and whose longer query
+    chunks use the torch implementation."""
+
+    def backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        if kv_cache is not None:
+            write_kv(kv_cache, key, value, meta.slot_mapping)
+        num_decodes = meta.num_decodes
+        if num_decodes == meta.num_requests and kv_cache is not None:
+            return decode(query, kv_cache, meta, scale)
+        out = torch.empty_like(query)
+        if num_decodes > 0 and kv_cache is not None:
+            out[:num_decodes] = decode(query[:num_decodes], kv_cache, meta, scale)
+            first = num_decodes
+        else:
+            first = 0
+        qsl = meta.query_start_loc_host
+        for req in range(first, meta.num_requests):
+            start, end = qsl[req], qsl[req + 1]
+            out[start:end] = _prefill_attention(query[start:end], key[start:end],
+                                                value[start:end], kv_cache, meta, req, scale)
+        return out
+
+    return backend
+
+
+#: Reference paged attention over a ragged batch: query [T, heads, d], key/value [T, kv_heads,
+#: d] for the step's new tokens. The new keys and values are first written to ``kv_cache``
+#: through ``meta.slot_mapping``; each query then attends causally to its own request's cached
+#: context. With ``kv_cache=None`` (profiling before the cache exists) nothing is written and
+#: every request must start at position 0. Returns [T, heads, d].
+torch_paged_attention = paged_attention_with(_decode_attention)
 
 
 AttentionBackend = Callable[

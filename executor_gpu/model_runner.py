@@ -12,6 +12,7 @@ reference path today; a fused CUDA kernel can be registered and chosen here).
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -54,6 +55,12 @@ class GPUModelRunner(TorchModelRunner):
     def __init__(self, config: ExecutorConfig, geometry: ModelGeometry):
         super().__init__(config, geometry, resolve_device(config.device))
         self.sampler = Sampler(config.seed, self.device)  # noise for unseeded rows
+        if (self.device.type == "cpu" and config.dtype == "float32"
+                and os.environ.get("TANDEM_CPU_KERNELS", "1") != "0"):
+            from executor_gpu import cpu_attention
+
+            if cpu_attention.register():  # decode attention in place in the paged cache
+                self.attention_backend = cpu_attention.BACKEND_NAME
 
     def reset(self) -> None:
         """Forget every request and restart unseeded sampling from the configured seed."""
