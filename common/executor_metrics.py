@@ -88,11 +88,9 @@ class ExecutorMetrics:
             self._children = tuple(_families[k].labels(*labels)
                                    for k in ("seconds", "tokens", "requests"))
         seconds_h, tokens_h, requests_h = self._children
-        num_tokens = sum(r.num_scheduled_tokens for r in step.new_requests)
-        num_tokens += sum(r.num_scheduled_tokens for r in step.cached_requests)
         seconds_h.observe(seconds)
-        tokens_h.observe(num_tokens)
-        requests_h.observe(len(step.new_requests) + len(step.cached_requests))
+        tokens_h.observe(step.num_scheduled_tokens)
+        requests_h.observe(step.num_requests)
 
 
 class _MetricsHandler(http.server.BaseHTTPRequestHandler):

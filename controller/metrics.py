@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 
+from controller.executor_client import grpc_status_of
 from controller.fleet_collector import FleetCollector
 
 if TYPE_CHECKING:
+    from common.step_types import StepInput
     from controller.engine import Engine
     from controller.runner import ExecutorRunner
     from controller.tracked import Tracked
@@ -184,10 +186,15 @@ class EngineMetrics:
 
     # --- request events ---------------------------------------------------------------------
 
-    def request_scheduled(self, runner: ExecutorRunner, tracked: Tracked, now: float) -> None:
-        """A request was first scheduled (its time in the queue ends)."""
-        tracked.scheduled_at = now
-        self.series(runner).queue_time.observe(now - tracked.arrival)
+    def step_sent(self, runner: ExecutorRunner, step: StepInput, now: float) -> None:
+        """A step went out: the time in the queue ends for requests scheduled the first time."""
+        queue_time = None
+        for new in step.new_requests:
+            tracked = runner.tracked.get(new.request_id)
+            if tracked is not None and not tracked.scheduled_at:
+                tracked.scheduled_at = now
+                queue_time = queue_time or self.series(runner).queue_time
+                queue_time.observe(now - tracked.arrival)
 
     def tokens_generated(self, runner: ExecutorRunner, tracked: Tracked, count: int,
                          now: float) -> None:
@@ -225,9 +232,15 @@ class EngineMetrics:
         self.series(runner).reconnects.inc()
 
     def grpc_error(self, runner: ExecutorRunner, code: str) -> None:
-        """A call to the executor failed with this gRPC status code (or UNKNOWN)."""
+        """A call to the executor failed with this gRPC status code (or UNREACHABLE)."""
         s = self.series(runner)
         self.grpc_errors.labels(self.model_name, s.executor, s.accelerator, code).inc()
+
+    def call_failed(self, runner: ExecutorRunner, exc: BaseException) -> None:
+        """Count the gRPC status behind a failure (nothing for other failures)."""
+        code = grpc_status_of(exc)
+        if code:
+            self.grpc_error(runner, code)
 
     def failed_over(self, source: ExecutorRunner) -> None:
         self.series(source).failovers.inc()

@@ -20,7 +20,7 @@ from collections import Counter, deque
 from typing import TYPE_CHECKING
 
 from common.config import DeviceInfo
-from controller.executor_client import ExecutorClient, ExecutorLost, grpc_status_of
+from controller.executor_client import ExecutorClient, ExecutorLost
 from controller.health import HealthMonitor
 from controller.placement import StepCostModel
 from controller.request import RequestStatus
@@ -192,7 +192,7 @@ class ExecutorRunner:
                 try:
                     await self._connect()
                 except Exception as exc:  # not up yet, or failing: retry
-                    self._count_grpc_error(exc)
+                    self.engine.metrics.call_failed(self, exc)
                     error = repr(exc)[:300]
                     level = logging.INFO if error != self.connect_error else logging.DEBUG
                     log.log(level, "executor %s: not connected (%s); retrying", self.address,
@@ -206,7 +206,7 @@ class ExecutorRunner:
                 try:
                     await self._run_steps()  # returns once drained
                 except ExecutorLost as exc:
-                    self._count_grpc_error(exc)
+                    self.engine.metrics.call_failed(self, exc)
                     self._on_lost(str(exc))
                 except Exception as exc:  # a bug must not strand the requests placed here
                     log.exception("executor %s: step loop failed", self.address)
@@ -292,11 +292,6 @@ class ExecutorRunner:
         self._retire_scheduler()
         self.engine.relocate(moved, source=self, failover=True)
 
-    def _count_grpc_error(self, exc: BaseException) -> None:
-        code = grpc_status_of(exc)
-        if code:
-            self.engine.metrics.grpc_error(self, code)
-
     def _retire_scheduler(self) -> None:
         """Drop the session's scheduler (its blocks mean nothing now), keeping its counters."""
         if self.scheduler is not None:
@@ -365,10 +360,7 @@ class ExecutorRunner:
                 step = sched.schedule()
                 if step.num_requests:
                     sent = time.perf_counter()
-                    for new in step.new_requests:
-                        tracked = self.tracked.get(new.request_id)
-                        if tracked is not None and not tracked.scheduled_at:
-                            self.engine.metrics.request_scheduled(self, tracked, sent)
+                    self.engine.metrics.step_sent(self, step, sent)
                     await self.health.guard(self.client.send_step(step))
                     inflight.append((step, sent))
                     continue

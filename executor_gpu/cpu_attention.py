@@ -60,18 +60,24 @@ def load_kernel():
         return module
 
 
-def cpu_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                         scale: float) -> torch.Tensor:
-    """Single-token requests' attention, [N, heads, d], by the kernel."""
-    module = load_kernel()
-    n = query.shape[0]
-    return module.paged_decode_attention(query.contiguous(), kv_cache,
-                                         meta.block_tables[:n], meta.seq_lens[:n], scale)
+def decode_attention_of(module):
+    """The decode attention of a built kernel module (bound once: no lookup per layer)."""
+    kernel = module.paged_decode_attention
+
+    def decode(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """Single-token requests' attention, [N, heads, d]."""
+        n = query.shape[0]
+        return kernel(query.contiguous(), kv_cache, meta.block_tables[:n], meta.seq_lens[:n],
+                      scale)
+
+    return decode
 
 
 def register() -> bool:
     """Build the kernel and register the "cpu_paged" backend; False if it cannot be built."""
-    if load_kernel() is None:
+    module = load_kernel()
+    if module is None:
         return False
-    register_attention_backend(BACKEND_NAME, paged_attention_with(cpu_decode_attention))
+    register_attention_backend(BACKEND_NAME, paged_attention_with(decode_attention_of(module)))
     return True

@@ -37,7 +37,8 @@ def test_kernel_matches_reference(heads, kv_heads, dim, block_size, lens):
     meta = _meta(lens, block_size, num_blocks, seed=heads)
     q = torch.randn(len(lens), heads, dim)
     expected = _decode_attention(q, kv, meta, dim ** -0.5)
-    got = cpu_attention.cpu_decode_attention(q, kv, meta, dim ** -0.5)
+    decode = cpu_attention.decode_attention_of(cpu_attention.load_kernel())
+    got = decode(q, kv, meta, dim ** -0.5)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -15,16 +15,6 @@ fi
 if have; then
   exit 0
 fi
-if ! command -v apt-get >/dev/null 2>&1; then
-  echo "apt-get not found: install Go 1.19+, Masterminds/sprig v3 and ghodss/yaml in GOPATH mode" >&2
-  exit 1
-fi
-SUDO=""
-if [ "$(id -u)" != 0 ]; then
-  SUDO=sudo
-fi
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -q
-$SUDO apt-get install -y -q --no-install-recommends \
+bash "$(dirname "$0")/../../scripts/apt_install.sh" \
   golang-go golang-github-masterminds-sprig-dev golang-github-ghodss-yaml-dev
 have
