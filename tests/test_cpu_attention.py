@@ -7,8 +7,9 @@ import torch
 
 from common.attention import AttentionMetadata, _decode_attention, torch_paged_attention
 from executor_gpu import cpu_attention
+from executor_gpu.cpu_kernels import load_kernels
 
-pytestmark = pytest.mark.skipif(cpu_attention.load_kernel() is None,
+pytestmark = pytest.mark.skipif(load_kernels() is None,
                                 reason="no C++ toolchain for the kernel")
 
 
@@ -16,9 +17,13 @@ def _meta(lens: list[int], block_size: int, num_blocks: int, seed: int) -> Atten
     g = torch.Generator().manual_seed(seed)
     max_blocks = max(-(-n // block_size) for n in lens) + 1  # one padding column
     tables = torch.zeros(len(lens), max_blocks, dtype=torch.long)
-    for i, n in enumerate(lens):  # each request: distinct random blocks (never the null block)
+    # Random blocks (never the null block), no block in two requests: a request's new token goes
+    # to a block no other request reads, as in the engine (shared prefix blocks are full).
+    free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    for i, n in enumerate(lens):
         used = -(-n // block_size)
-        tables[i, :used] = torch.randperm(num_blocks - 1, generator=g)[:used] + 1
+        tables[i, :used] = torch.tensor(free[:used])
+        del free[:used]
     seq = torch.tensor(lens)
     return AttentionMetadata(
         slot_mapping=torch.zeros(len(lens), dtype=torch.long),
@@ -32,12 +37,12 @@ def _meta(lens: list[int], block_size: int, num_blocks: int, seed: int) -> Atten
 @pytest.mark.parametrize("lens", [[1], [5, 17, 16, 33], [200] * 3 + [1, 64]])
 def test_kernel_matches_reference(heads, kv_heads, dim, block_size, lens):
     torch.manual_seed(len(lens) * heads)
-    num_blocks = 64
+    num_blocks = 256
     kv = torch.randn(2, num_blocks, block_size, kv_heads, dim)
     meta = _meta(lens, block_size, num_blocks, seed=heads)
     q = torch.randn(len(lens), heads, dim)
     expected = _decode_attention(q, kv, meta, dim ** -0.5)
-    decode = cpu_attention.decode_attention_of(cpu_attention.load_kernel())
+    decode = cpu_attention.decode_attention_of(load_kernels())
     got = decode(q, kv, meta, dim ** -0.5)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -64,4 +69,27 @@ def test_backend_mixes_kernel_decodes_and_torch_prefills():
     expected = torch_paged_attention(q, k, v, cache.clone(), meta, 0.25)
     meta.derived.clear()
     got = get_attention_backend(cpu_attention.BACKEND_NAME)(q, k, v, cache.clone(), meta, 0.25)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_stores_the_decodes_keys_and_values():
+    """With new keys/values given, the kernel writes their slots, then attends: the same cache
+    and output as a separate write followed by attention."""
+    from common.attention import write_kv
+
+    torch.manual_seed(3)
+    heads, kv_heads, dim, bs, num_blocks = 9, 3, 64, 16, 32
+    lens = [5, 16, 17, 40]
+    meta = _meta(lens, bs, num_blocks, seed=2)
+    meta.slot_mapping = torch.tensor([int(meta.block_tables[i, (n - 1) // bs]) * bs + (n - 1) % bs
+                                      for i, n in enumerate(lens)])
+    qkv = torch.randn(len(lens), heads + 2 * kv_heads, dim)  # q, k, v are views of one tensor
+    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    cache = torch.randn(2, num_blocks, bs, kv_heads, dim)
+    expected_cache = cache.clone()
+    write_kv(expected_cache, k, v, meta.slot_mapping)
+    expected = _decode_attention(q.contiguous(), expected_cache, meta, 0.125)
+    decode = cpu_attention.decode_attention_of(load_kernels())
+    got = decode(q, cache, meta, 0.125, key=k, value=v)
+    assert torch.equal(cache, expected_cache)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from common.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from common.models.layer_ops import TORCH_LAYER_OPS, LayerOps
 
 
 @dataclass
@@ -125,37 +125,21 @@ class RotaryEmbedding(nn.Module):
         freqs = pos[:, None] * inv_freq[None, :]
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
-    def lookup(self, positions: torch.Tensor,
-               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [T, 1, head_dim] of the tokens' positions (once per step)."""
-        half = self.head_dim // 2
-        table = self.cos_sin[positions].to(dtype)  # [T, d]
-        cos = table[:, None, :half].repeat(1, 1, 2)
-        sin = table[:, None, half:]
-        return cos, torch.cat([-sin, sin], dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, d] by per-token cos / signed sin [T, 1, d] (half-split convention):
-    ``x * cos + (x2, x1) * (-sin, sin)``, i.e. the usual ``x * cos + rotate_half(x) * sin``."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
-
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 and cast back before the weight."""
+    """Root-mean-square norm, optionally of ``x + residual`` (the residual updated in place)."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
         self.eps = eps
+        self.ops: LayerOps = TORCH_LAYER_OPS
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalize the last axis of x."""
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # same math, fused
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalize the last axis of x (of residual + x, stored into residual, if given)."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -215,14 +199,14 @@ class LlamaAttention(nn.Module):
         self.scale = args.head_dim ** -0.5
         self.kv_cache: torch.Tensor | None = None  # bound by LlamaForCausalLM.bind_kv_cache
         self.backend: AttentionBackend = get_attention_backend("torch")
+        self.ops: LayerOps = TORCH_LAYER_OPS
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; ``rope`` is the step's (cos, sin)."""
+    def forward(self, rope: Any, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; ``rope`` is the step's rotation (``LayerOps``)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # Queries and keys are adjacent heads: rotate them in one pass.
-        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], *rope)
+        qk = self.ops.rotary(qkv, self.num_heads + self.num_kv_heads, rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         out = self.backend(q, k, v, self.kv_cache, meta, self.scale)
@@ -237,11 +221,11 @@ class LlamaMLP(nn.Module):
         inter = args.intermediate_size
         self.gate_up_proj = Linear(args.hidden_size, [inter, inter], args.mlp_bias, dtype)
         self.down_proj = Linear(inter, [args.hidden_size], args.mlp_bias, dtype)
+        self.ops: LayerOps = TORCH_LAYER_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -254,11 +238,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """One decoder layer on [T, hidden]."""
-        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: Any, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer. The residual stream is carried separately: the layer's input is
+        ``residual + x`` (just ``x`` for the first layer, residual None), which the input norm
+        forms in place; returns (this layer's MLP output, the residual stream before it)."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(rope, h, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -297,6 +288,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         max_positions = max(self.args.max_position_embeddings, max_model_len)
         self.model = LlamaModel(self.args, max_positions, dtype)
+        self.layer_ops: LayerOps = TORCH_LAYER_OPS
         self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False,
                                  dtype=dtype)
         if self.args.tie_word_embeddings:
@@ -316,6 +308,13 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.kv_cache = None if kv_caches is None else kv_caches[i]
 
+    def set_layer_ops(self, ops: LayerOps) -> None:
+        """Use ``ops`` for every layer's norms, rotary embedding and SiLU-and-multiply."""
+        self.layer_ops = ops
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
+
     def set_attention_backend(self, name: str) -> None:
         """Select the attention implementation registered under ``name``."""
         backend = get_attention_backend(name)
@@ -326,10 +325,11 @@ class LlamaForCausalLM(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] (after the final norm) of a flat batch of T tokens."""
         x = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary.lookup(positions, x.dtype)
+        rope = self.layer_ops.rope_for_step(self.model.rotary.cos_sin, positions, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(rope, x, attn_metadata)
-        return self.model.norm(x)
+            x, residual = layer(rope, x, residual, attn_metadata)
+        return self.model.norm(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [S, vocab] of the selected hidden rows [S, hidden]."""

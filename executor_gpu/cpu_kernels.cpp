@@ -1,0 +1,17 @@
+// Python bindings of executor_gpu's CPU kernels (see cpu_kernels.h).
+#include "cpu_kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &tandem::paged_decode_attention,
+        "Decode attention over a paged float32 KV cache, optionally storing the new keys and "
+        "values first",
+        pybind11::arg("query"), pybind11::arg("new_key"), pybind11::arg("new_value"),
+        pybind11::arg("slots"), pybind11::arg("kv_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("seq_lens"), pybind11::arg("scale"));
+  m.def("rms_norm", &tandem::rms_norm, "RMSNorm of the rows of x times weight");
+  m.def("add_rms_norm_", &tandem::add_rms_norm_,
+        "residual += x in place, then RMSNorm of residual times weight");
+  m.def("rotary_", &tandem::rotary_,
+        "Rotate the first num_heads heads of each token in place (half-split RoPE)");
+  m.def("silu_and_mul", &tandem::silu_and_mul, "silu(gate) * up of gate|up rows");
+}

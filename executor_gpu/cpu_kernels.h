@@ -1,0 +1,52 @@
+// The CPU kernels of executor_gpu (float32), bound into one extension by cpu_kernels.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+namespace tandem {
+
+// e^x in float32 for x in about [-87, 88] (clamped outside): Cody-Waite range reduction by
+// ln 2 and a degree-6 polynomial (within ~3 ulp); written without branches so loops over it
+// vectorize.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float t = x * 1.44269504088896341f;  // x / ln 2
+  const float n = static_cast<float>(static_cast<int32_t>(t + std::copysign(0.5f, t)));
+  float r = x - n * 0.693359375f;  // ln 2 split into an exact high part ...
+  r = r + n * 2.12194440e-4f;      // ... and the low remainder
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Decode attention read in place from the paged KV cache (cpu_paged_attention.cpp); with
+// new_key / new_value / slots given, the step's keys and values are stored first.
+torch::Tensor paged_decode_attention(torch::Tensor query, std::optional<torch::Tensor> new_key,
+                                     std::optional<torch::Tensor> new_value,
+                                     std::optional<torch::Tensor> slots, torch::Tensor kv_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens,
+                                     double scale);
+
+// Per-layer elementwise math of the model (cpu_layer_ops.cpp).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                            double eps);
+void rotary_(torch::Tensor qkv, int64_t num_heads, torch::Tensor positions,
+             torch::Tensor cos_sin);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+
+}  // namespace tandem

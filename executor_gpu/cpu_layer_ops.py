@@ -1,0 +1,36 @@
+"""The fused CPU layer ops (cpu_layer_ops.cpp) as a ``LayerOps`` for float32 models.
+
+Each op is one pass over its rows (RMSNorm with the residual add folded in, RoPE in place on the
+query and key heads, SiLU-and-multiply) instead of several eager torch operators; see the .cpp
+file. ``layer_ops`` returns None where the kernels cannot be built.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.models.layer_ops import LayerOps
+from executor_gpu.cpu_kernels import load_kernels
+
+
+def layer_ops_of(module) -> LayerOps:
+    """A ``LayerOps`` over the built kernels (float32 only)."""
+    rotary_ = module.rotary_
+
+    def rope_for_step(table: torch.Tensor, positions: torch.Tensor,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return table, positions  # the kernel indexes the table itself
+
+    def rotary(x: torch.Tensor, n: int, rope: tuple[torch.Tensor, torch.Tensor]
+               ) -> torch.Tensor:
+        rotary_(x, n, rope[1], rope[0])
+        return x[:, :n]
+
+    return LayerOps("cpu_fused", module.rms_norm, module.add_rms_norm_, rope_for_step, rotary,
+                    module.silu_and_mul)
+
+
+def layer_ops() -> LayerOps | None:
+    """The fused CPU layer ops, or None without the built kernels."""
+    module = load_kernels()
+    return None if module is None else layer_ops_of(module)
