@@ -8,6 +8,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("query"), pybind11::arg("new_key"), pybind11::arg("new_value"),
         pybind11::arg("slots"), pybind11::arg("kv_cache"), pybind11::arg("block_tables"),
         pybind11::arg("seq_lens"), pybind11::arg("scale"));
+  m.def("pack_linear_weight", &tandem::pack_linear_weight,
+        "[in, out] weight -> column panels [out / 64, in, 64] for packed_linear");
+  m.def("packed_linear", &tandem::packed_linear, "x @ weight (+ bias), weight packed",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"));
+  m.attr("PANEL") = tandem::kPanel;
   m.def("rms_norm", &tandem::rms_norm, "RMSNorm of the rows of x times weight");
   m.def("add_rms_norm_", &tandem::add_rms_norm_,
         "residual += x in place, then RMSNorm of residual times weight");

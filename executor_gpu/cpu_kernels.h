@@ -4,10 +4,12 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <utility>
 
 namespace tandem {
 
@@ -40,6 +42,13 @@ torch::Tensor paged_decode_attention(torch::Tensor query, std::optional<torch::T
                                      std::optional<torch::Tensor> slots, torch::Tensor kv_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens,
                                      double scale);
+
+// Linear layers over weights packed into column panels (cpu_packed_linear.cpp):
+// pack_linear_weight([in, out]) -> [out / kPanel, in, kPanel]; packed_linear(x, packed, bias).
+constexpr int64_t kPanel = 64;
+torch::Tensor pack_linear_weight(torch::Tensor weight);
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed,
+                            std::optional<torch::Tensor> bias);
 
 // Per-layer elementwise math of the model (cpu_layer_ops.cpp).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);

@@ -20,13 +20,11 @@ log = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_HERE, name) for name in (
-    "cpu_kernels.cpp", "cpu_paged_attention.cpp", "cpu_layer_ops.cpp")]
+    "cpu_kernels.cpp", "cpu_paged_attention.cpp", "cpu_layer_ops.cpp", "cpu_packed_linear.cpp")]
 # -fopenmp: at::parallel_for splits work over torch's OpenMP team (without it, it runs on one
-# thread; the linker's libgomp.so.1 is the one torch already loaded); -ffp-contract=off: products
-# and sums round separately, as in torch's eager kernels (closer results); -fno-trapping-math
-# lets branch-free selects vectorize.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
-           "-ffp-contract=off"]
+# thread; the linker's libgomp.so.1 is the one torch already loaded); -fno-trapping-math lets
+# branch-free selects vectorize.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 _LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "module" once built, "error" once failed

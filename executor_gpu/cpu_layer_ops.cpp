@@ -102,8 +102,7 @@ void rotary_(torch::Tensor qkv, int64_t num_heads, torch::Tensor positions,
       const float* s = c + half;
       for (int64_t h = 0; h < num_heads; ++h) {
         float* x = base + t * stride + h * dim;
-        // (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); two rounded products then the sum,
-        // as the reference computes it (the build turns off contraction into FMAs).
+        // (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = x[i], x2 = x[i + half];

@@ -1,8 +1,9 @@
 """The fused CPU layer ops (cpu_layer_ops.cpp) as a ``LayerOps`` for float32 models.
 
-Each op is one pass over its rows (RMSNorm with the residual add folded in, RoPE in place on the
-query and key heads, SiLU-and-multiply) instead of several eager torch operators; see the .cpp
-file. ``layer_ops`` returns None where the kernels cannot be built.
+Each elementwise op is one pass over its rows (RMSNorm with the residual add folded in, RoPE in
+place on the query and key heads, SiLU-and-multiply) instead of several eager torch operators
+(cpu_layer_ops.cpp); linear layers run over weights packed into column panels
+(cpu_packed_linear.cpp). ``layer_ops`` returns None where the kernels cannot be built.
 """
 
 from __future__ import annotations
@@ -16,6 +17,15 @@ from executor_gpu.cpu_kernels import load_kernels
 def layer_ops_of(module) -> LayerOps:
     """A ``LayerOps`` over the built kernels (float32 only)."""
     rotary_ = module.rotary_
+    pack, packed_linear, panel = module.pack_linear_weight, module.packed_linear, module.PANEL
+
+    def prepare_linear(weight: torch.Tensor) -> torch.Tensor:
+        return pack(weight) if weight.shape[1] % panel == 0 else weight
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if weight.dim() == 3:  # packed
+            return packed_linear(x, weight, bias)
+        return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
     def rope_for_step(table: torch.Tensor, positions: torch.Tensor,
                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,8 +36,8 @@ def layer_ops_of(module) -> LayerOps:
         rotary_(x, n, rope[1], rope[0])
         return x[:, :n]
 
-    return LayerOps("cpu_fused", module.rms_norm, module.add_rms_norm_, rope_for_step, rotary,
-                    module.silu_and_mul)
+    return LayerOps("cpu_fused", prepare_linear, linear, module.rms_norm, module.add_rms_norm_,
+                    rope_for_step, rotary, module.silu_and_mul)
 
 
 def layer_ops() -> LayerOps | None:

@@ -91,7 +91,10 @@ class GPUModelRunner(TorchModelRunner):
         if sample_states:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             logits_ok = logits.sum(dim=-1).isfinite()
-            logits = logits.masked_fill(~logits_ok[:, None], 0.0)  # keep the batch sane
+            # Zero non-finite rows to keep the batch sane (on the CPU, only when there are any:
+            # the check is cheap there, rewriting [S, vocab] is not).
+            if self.device.type != "cpu" or not bool(logits_ok.all()):
+                logits = logits.masked_fill(~logits_ok[:, None], 0.0)
             meta = self._sampling_metadata(sample_states)
             result = self.sampler(logits, meta)
             token_lps = result.logprobs.to_token_logprobs(meta.num_logprobs) \

@@ -39,6 +39,30 @@ def test_rms_norm_and_residual_add(fused, rows):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 6, 16, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear(fused, rows, bias):
+    """Weights packed into column panels give x @ w + b, for decode and prefill batch sizes."""
+    torch.manual_seed(rows)
+    w = torch.randn(96, 192) * 0.1
+    b = torch.randn(192) if bias else None
+    x = torch.randn(rows, 96)
+    packed = fused.prepare_linear(w)
+    assert packed.dim() == 3 and packed.numel() == w.numel()
+    expected = x @ w + (b if bias else 0)
+    torch.testing.assert_close(fused.linear(x, packed, b), expected, rtol=1e-5, atol=1e-5)
+    wide = torch.randn(rows, 200)  # rows of a wider tensor
+    torch.testing.assert_close(fused.linear(wide[:, 7:103], packed, b),
+                               REF.linear(wide[:, 7:103].contiguous(), w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_without_whole_panels_stays_unpacked(fused):
+    w = torch.randn(32, 72)  # 72 output columns: not whole 64-column panels
+    assert fused.prepare_linear(w) is w
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(fused.linear(x, w, None), x @ w)
+
+
 def test_rms_norm_reads_strided_rows(fused):
     base = torch.randn(5, 1000)
     x = base[:, 100:676]  # rows of a wider tensor

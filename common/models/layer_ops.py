@@ -1,6 +1,6 @@
-"""The model's per-layer elementwise math as a swappable set of functions.
+"""The model's per-layer math outside attention as a swappable set of functions.
 
-Everything in a decoder layer that is not a matmul or attention (RMSNorm with the residual add,
+Everything in a decoder layer but attention (the linear layers, RMSNorm with the residual add,
 rotary embedding, SiLU-and-multiply) goes through a ``LayerOps``. ``TORCH_LAYER_OPS`` is the
 plain torch implementation every device can run; a device package can build a fused set (one
 pass per op instead of several eager operators) and hand it to
@@ -23,6 +23,10 @@ class LayerOps:
     """One implementation of the per-layer elementwise ops."""
 
     name: str  # for logs and tests
+    # [in, out] weight -> the layout ``linear`` takes (applied once, when the ops are set)
+    prepare_linear: Callable[[torch.Tensor], torch.Tensor]
+    # (x [T, in], prepared weight, bias [out] or None) -> x @ weight + bias
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     # (x [T, H], weight [H], eps) -> RMSNorm(x) * weight
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     # (x, residual, weight, eps) -> RMSNorm(residual + x) * weight; residual becomes
@@ -34,6 +38,11 @@ class LayerOps:
     rotary: Callable[[torch.Tensor, int, Any], torch.Tensor]
     # gate|up [T, 2I] -> silu(gate) * up [T, I]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _torch_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,5 +86,6 @@ def _torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-TORCH_LAYER_OPS = LayerOps("torch", torch_rms_norm, _torch_add_rms_norm, _torch_rope_for_step,
-                           _torch_rotary, _torch_silu_and_mul)
+TORCH_LAYER_OPS = LayerOps("torch", lambda weight: weight, _torch_linear, torch_rms_norm,
+                           _torch_add_rms_norm, _torch_rope_for_step, _torch_rotary,
+                           _torch_silu_and_mul)

@@ -156,6 +156,7 @@ class Linear(nn.Module):
         out = sum(shard_sizes)
         self.weight = nn.Parameter(torch.empty(in_features, out, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype)) if bias else None
+        self.ops: LayerOps = TORCH_LAYER_OPS
 
     def shard_slice(self, shard: int) -> slice:
         """Output columns holding shard ``shard``."""
@@ -178,9 +179,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
-        if self.bias is None:
-            return torch.mm(x, self.weight)
-        return torch.addmm(self.bias, x, self.weight)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 class LlamaAttention(nn.Module):
@@ -309,11 +308,15 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.kv_cache = None if kv_caches is None else kv_caches[i]
 
     def set_layer_ops(self, ops: LayerOps) -> None:
-        """Use ``ops`` for every layer's norms, rotary embedding and SiLU-and-multiply."""
+        """Use ``ops`` for every layer's linear layers, norms, rotary embedding and
+        SiLU-and-multiply. Call once, after the weights are loaded: the linear layers' weights
+        are converted to the layout ``ops`` takes."""
         self.layer_ops = ops
         for module in self.modules():
             if hasattr(module, "ops"):
                 module.ops = ops
+            if isinstance(module, Linear):
+                module.weight.data = ops.prepare_linear(module.weight.data)
 
     def set_attention_backend(self, name: str) -> None:
         """Select the attention implementation registered under ``name``."""
