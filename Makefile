@@ -102,7 +102,7 @@ docker-engine:
 BENCH_URL ?= http://$(HOST):$(PORT)
 BENCH_ARGS ?=
 
-.PHONY: bench-serve bench-compare bench-controlplane
+.PHONY: bench-serve bench-compare bench-controlplane bench-cpu-step
 
 # Load-test a running server (`make run` in another shell) at $(BENCH_URL).
 bench-serve: deps
@@ -117,3 +117,7 @@ bench-compare: setup
 # Controller cost and device busy fraction with simulated executors.
 bench-controlplane: setup
 	TANDEM_MODEL_DIR=$(MODEL_DIR) $(PY) benchmarks/controlplane.py $(BENCH_ARGS)
+
+# The CPU executor's decode step with torch operators vs its C++ kernels, in one process.
+bench-cpu-step: setup
+	TANDEM_MODEL_DIR=$(MODEL_DIR) $(PY) benchmarks/cpu_step.py $(BENCH_ARGS)

@@ -82,3 +82,16 @@ def test_controlplane_tiny_grid(default_model_dir, tmp_path):
     assert 0 < point["busy_fraction"] <= 1.0
     assert point["cpu_ms_per_step"] > 0 and point["cpu_us_per_token"] > 0
     assert point["bytes_per_request_decode"] > 0 and point["steps_per_s"] > 0
+
+
+def test_cpu_step_benchmark_times_every_variant(default_model_dir, tmp_path):
+    out = tmp_path / "cpu_step.json"
+    run = run_script(["benchmarks/cpu_step.py", "--model", default_model_dir, "--batch-sizes",
+                      "1,3", "--context", "20", "--steps", "2", "--json", str(out)], timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["batch"], r["variant"]) for r in rows} == {
+        (b, v) for b in (1, 3) for v in ("torch", "fused", "packed")}
+    for r in rows:
+        assert r["decode_step_ms"] > 0 and r["prefill_s"] > 0 and r["speedup"] > 0
+        assert r["decode_tok_s"] == pytest.approx(r["batch"] * 1e3 / r["decode_step_ms"])

@@ -1,0 +1,120 @@
+"""The CPU executor's step time with and without its C++ kernels, in one process.
+
+Builds one ``GPUModelRunner`` per variant on the CPU and times the same steps on each,
+alternating between variants so that a shared machine's noise falls on all of them alike:
+
+- ``torch``: torch operators only (``TANDEM_CPU_KERNELS=0``: the reference path);
+- ``fused``: the C++ attention and layer ops, linear layers on torch's GEMM;
+- ``packed``: everything, linear layers on the packed-panel kernel (what the executor runs).
+
+For each batch size B it prefills B requests of ``--context`` tokens, then runs ``--steps``
+decode steps (one token per request) and reports the median step, tokens/s and each variant's
+speedup over ``torch``.
+
+    python benchmarks/cpu_step.py --batch-sizes 1,16,64 --json /tmp/cpu_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from common.config import ExecutorConfig  # noqa: E402
+from common.models import load_model_geometry  # noqa: E402
+from common.step_types import (  # noqa: E402
+    CachedRequestData,
+    NewRequestData,
+    SamplingParams,
+    StepInput,
+)
+from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
+from tests.conftest import model_dir  # noqa: E402
+
+VARIANTS = ("torch", "fused", "packed")
+
+
+def build_runner(model: str, variant: str, num_blocks: int) -> GPUModelRunner:
+    """A CPU runner with the variant's kernels, its KV cache allocated."""
+    os.environ["TANDEM_CPU_KERNELS"] = "0" if variant == "torch" else "1"
+    try:
+        runner = GPUModelRunner(ExecutorConfig(model=model, device="cpu"),
+                                load_model_geometry(model))
+    finally:
+        os.environ.pop("TANDEM_CPU_KERNELS")
+    if variant == "fused" and runner.cpu_layer_ops is not None:
+        runner.cpu_layer_ops = dataclasses.replace(runner.cpu_layer_ops,
+                                                   prepare_linear=lambda weight: weight)
+    runner.load_model()
+    runner.initialize_kv_cache(num_blocks)
+    return runner
+
+
+def prefill(runner: GPUModelRunner, batch: int, context: int, blocks_each: int) -> float:
+    """Start ``batch`` requests with ``context`` prompt tokens in one step; its seconds."""
+    runner.reset()
+    new = [NewRequestData(f"r{i}", [(7 * i + j) % 1000 + 10 for j in range(context)], [],
+                          SamplingParams(), list(range(1 + i * blocks_each,
+                                                       1 + (i + 1) * blocks_each)), 0, context)
+           for i in range(batch)]
+    started = time.perf_counter()
+    runner.execute_model(StepInput(0, new_requests=new))
+    return time.perf_counter() - started
+
+
+def decode(runner: GPUModelRunner, batch: int, context: int, step: int) -> float:
+    """One decode step of every request (its ``step``-th); its seconds."""
+    cached = [CachedRequestData(f"r{i}", [], context + step - 1, 1) for i in range(batch)]
+    started = time.perf_counter()
+    runner.execute_model(StepInput(step, cached_requests=cached))
+    return time.perf_counter() - started
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=model_dir())
+    p.add_argument("--batch-sizes", default="1,16,64")
+    p.add_argument("--context", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--steps", type=int, default=10, help="decode steps timed per batch size")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--json", default="")
+    a = p.parse_args(argv)
+    sizes = [int(b) for b in a.batch_sizes.split(",")]
+    variants = a.variants.split(",")
+    blocks_each = -(-(a.context + a.steps + 1) // 16)
+    num_blocks = 1 + max(sizes) * blocks_each
+    runners = {v: build_runner(a.model, v, num_blocks) for v in variants}
+    results = []
+    with torch.inference_mode():
+        for batch in sizes:
+            pre = {v: prefill(r, batch, a.context, blocks_each) for v, r in runners.items()}
+            steps: dict[str, list[float]] = {v: [] for v in variants}
+            for step in range(1, a.steps + 1):
+                for v, r in runners.items():
+                    steps[v].append(decode(r, batch, a.context, step))
+            for v in variants:
+                med = statistics.median(steps[v])
+                results.append({"batch": batch, "variant": v, "decode_step_ms": med * 1e3,
+                                "decode_tok_s": batch / med, "prefill_s": pre[v]})
+    base = {(r["batch"]): r["decode_step_ms"] for r in results if r["variant"] == variants[0]}
+    print(f"{'batch':>5} {'variant':>8} {'step ms':>8} {'tok/s':>7} {'prefill s':>9} "
+          f"{variants[0] + '/x':>9}")
+    for r in results:
+        r["speedup"] = base[r["batch"]] / r["decode_step_ms"]
+        print(f"{r['batch']:>5} {r['variant']:>8} {r['decode_step_ms']:>8.1f} "
+              f"{r['decode_tok_s']:>7.1f} {r['prefill_s']:>9.2f} {r['speedup']:>9.2f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"context": a.context, "steps": a.steps, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
