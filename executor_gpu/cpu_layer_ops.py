@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from common.models.layer_ops import LayerOps
+from common.models.layer_ops import LayerOps, torch_logits
 from executor_gpu.cpu_kernels import load_kernels
 
 
@@ -27,6 +27,15 @@ def layer_ops_of(module) -> LayerOps:
             return packed_linear(x, weight, bias)
         return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
+    def prepare_logits(embedding: torch.Tensor) -> torch.Tensor:
+        # [vocab, hidden] -> the panels of its transpose (a copy beside tied input embeddings)
+        return pack(embedding.t()) if embedding.shape[0] % panel == 0 else embedding
+
+    def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if weight.dim() == 3:  # packed
+            return packed_linear(hidden, weight, None)
+        return torch_logits(hidden, weight)
+
     def rope_for_step(table: torch.Tensor, positions: torch.Tensor,
                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return table, positions  # the kernel indexes the table itself
@@ -37,7 +46,7 @@ def layer_ops_of(module) -> LayerOps:
         return x[:, :n]
 
     return LayerOps("cpu_fused", prepare_linear, linear, module.rms_norm, module.add_rms_norm_,
-                    rope_for_step, rotary, module.silu_and_mul)
+                    rope_for_step, rotary, module.silu_and_mul, prepare_logits, logits)
 
 
 def layer_ops() -> LayerOps | None:

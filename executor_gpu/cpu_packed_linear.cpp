@@ -79,7 +79,7 @@ torch::Tensor pack_linear_weight(torch::Tensor weight) {
   const int64_t depth = weight.size(0), width = weight.size(1);
   TORCH_CHECK(width % kPanel == 0, "pack_linear_weight: out_features must divide by ", kPanel);
   // [in, out] -> [out / kPanel, in, kPanel]
-  return weight.view({depth, width / kPanel, kPanel}).permute({1, 0, 2}).contiguous();
+  return weight.reshape({depth, width / kPanel, kPanel}).permute({1, 0, 2}).contiguous();
 }
 
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed,

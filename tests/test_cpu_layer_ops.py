@@ -132,3 +132,16 @@ def test_model_with_fused_ops_matches_torch_ops(fused):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         assert torch.equal(model.compute_logits(got).argmax(-1),
                            model.compute_logits(expected).argmax(-1))
+
+
+def test_logits_over_the_packed_output_embedding(fused):
+    torch.manual_seed(5)
+    embedding = torch.randn(256, 96)  # [vocab, hidden]
+    prepared = fused.prepare_logits(embedding)
+    assert prepared.dim() == 3 and prepared.data_ptr() != embedding.data_ptr()
+    for rows in (1, 7, 40):
+        hidden = torch.randn(rows, 96)
+        torch.testing.assert_close(fused.logits(hidden, prepared), REF.logits(hidden, embedding),
+                                   rtol=1e-5, atol=1e-5)
+    odd = torch.randn(100, 96)  # a vocabulary of no whole panels stays as it is
+    assert fused.prepare_logits(odd) is odd

@@ -38,6 +38,10 @@ class LayerOps:
     rotary: Callable[[torch.Tensor, int, Any], torch.Tensor]
     # gate|up [T, 2I] -> silu(gate) * up [T, I]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    # output embedding [vocab, hidden] -> the form ``logits`` takes (once, when the ops are set)
+    prepare_logits: Callable[[torch.Tensor], torch.Tensor]
+    # (hidden [S, H], prepared output embedding) -> float32 logits [S, vocab]
+    logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _torch_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -86,6 +90,13 @@ def _torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def torch_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Float32 logits of hidden rows against the [vocab, hidden] output embedding."""
+    # W [V, H] @ hidden^T, transposed back: avoids a GEMM with a transposed [V, H] operand,
+    # which some BLAS libraries run slowly for few rows.
+    return torch.mm(weight, hidden.t()).t().float().contiguous()
+
+
 TORCH_LAYER_OPS = LayerOps("torch", lambda weight: weight, _torch_linear, torch_rms_norm,
                            _torch_add_rms_norm, _torch_rope_for_step, _torch_rotary,
-                           _torch_silu_and_mul)
+                           _torch_silu_and_mul, lambda weight: weight, torch_logits)

@@ -288,6 +288,8 @@ class LlamaForCausalLM(nn.Module):
         max_positions = max(self.args.max_position_embeddings, max_model_len)
         self.model = LlamaModel(self.args, max_positions, dtype)
         self.layer_ops: LayerOps = TORCH_LAYER_OPS
+        # The output embedding in the form layer_ops.logits takes (None: lm_head.weight as is).
+        self.logits_weight: torch.Tensor | None = None
         self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False,
                                  dtype=dtype)
         if self.args.tie_word_embeddings:
@@ -309,14 +311,20 @@ class LlamaForCausalLM(nn.Module):
 
     def set_layer_ops(self, ops: LayerOps) -> None:
         """Use ``ops`` for every layer's linear layers, norms, rotary embedding and
-        SiLU-and-multiply. Call once, after the weights are loaded: the linear layers' weights
-        are converted to the layout ``ops`` takes."""
+        SiLU-and-multiply, and for the logits. Call once, after the weights are loaded: the
+        linear layers' weights and the output embedding are converted to the layouts ``ops``
+        takes (a tied output embedding keeps its input-embedding original beside the copy)."""
         self.layer_ops = ops
         for module in self.modules():
             if hasattr(module, "ops"):
                 module.ops = ops
             if isinstance(module, Linear):
                 module.weight.data = ops.prepare_linear(module.weight.data)
+        embedding = self.lm_head.weight.data
+        prepared = ops.prepare_logits(embedding)
+        self.logits_weight = None if prepared is embedding else prepared
+        if self.logits_weight is not None and not self.args.tie_word_embeddings:
+            self.lm_head.weight.data = prepared  # the original is needed no more
 
     def set_attention_backend(self, name: str) -> None:
         """Select the attention implementation registered under ``name``."""
@@ -336,6 +344,5 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [S, vocab] of the selected hidden rows [S, hidden]."""
-        # W [V, H] @ hidden^T, transposed back: avoids a GEMM with a transposed [V, H] operand,
-        # which some BLAS libraries run slowly for few rows.
-        return torch.mm(self.lm_head.weight, hidden.t()).t().float().contiguous()
+        weight = self.logits_weight if self.logits_weight is not None else self.lm_head.weight
+        return self.layer_ops.logits(hidden, weight)
