@@ -22,7 +22,7 @@ constexpr int kRowTile = 6;  // 6 rows x 4 vectors of accumulators: 24 of the 32
 #else
 constexpr int kRowTile = 2;  // 16 ymm registers hold 2 rows x 4 (double-width) vectors
 #endif
-constexpr int64_t kRowsPerTask = 8 * kRowTile;  // rows one task covers (large batches split)
+constexpr int64_t kRowsPerTask = 32 * kRowTile;  // rows per task: a decode batch is one range
 
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));            // aligned
 typedef float UVec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));  // not
