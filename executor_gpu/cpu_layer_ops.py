@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from common.models.layer_ops import LayerOps, torch_logits
+from common.models.layer_ops import TORCH_LAYER_OPS, LayerOps, torch_logits
 from executor_gpu.cpu_kernels import load_kernels
 
 
@@ -25,7 +25,7 @@ def layer_ops_of(module) -> LayerOps:
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if weight.dim() == 3:  # packed
             return packed_linear(x, weight, bias)
-        return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
+        return TORCH_LAYER_OPS.linear(x, weight, bias)
 
     def prepare_logits(embedding: torch.Tensor) -> torch.Tensor:
         # [vocab, hidden] -> the panels of its transpose (a copy beside tied input embeddings)
