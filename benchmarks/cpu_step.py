@@ -50,8 +50,8 @@ def build_runner(model: str, variant: str, num_blocks: int) -> GPUModelRunner:
                                 load_model_geometry(model))
     finally:
         os.environ.pop("TANDEM_CPU_KERNELS")
-    if variant == "fused" and runner.cpu_layer_ops is not None:
-        runner.cpu_layer_ops = dataclasses.replace(runner.cpu_layer_ops,
+    if variant == "fused" and runner.fused_ops is not None:
+        runner.fused_ops = dataclasses.replace(runner.fused_ops,
                                                    prepare_linear=lambda weight: weight)
     runner.load_model()
     runner.initialize_kv_cache(num_blocks)

@@ -24,6 +24,8 @@ class ExecutorConfig:
     chunked_prefill: bool = True  # report chunked-prefill support to the controller
     max_logprobs: int = 20  # most top logprobs returned per position
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
+    load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights of
+    # the checkpoint's shape (config.json alone; for benchmarks)
 
 
 @dataclass

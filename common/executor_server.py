@@ -46,6 +46,9 @@ def build_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=0, help="0 = the model's own")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no graph capture / compile")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of the checkpoint's shape (config.json alone; "
+                        "for benchmarks)")
     p.add_argument(
         "--no-chunked-prefill", action="store_true",
         help="report no chunked-prefill support (whole prompts only)",
@@ -87,6 +90,7 @@ def config_from_args(args: argparse.Namespace) -> ExecutorConfig:
         chunked_prefill=not args.no_chunked_prefill,
         max_logprobs=args.max_logprobs,
         num_threads=args.num_threads,
+        load_format=args.load_format,
     )
 
 

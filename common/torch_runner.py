@@ -120,7 +120,7 @@ class TorchModelRunner(ModelRunnerBase):
     def load_model(self) -> None:
         """Build the model, load its weights, place it on the device."""
         model = build_model(self.config.model, self.dtype, self.load_device(),
-                            self.geometry.max_model_len)
+                            self.geometry.max_model_len, self.config.load_format)
         model.set_attention_backend(self.attention_backend)
         self.model = self.place_model(model)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())

@@ -5,17 +5,22 @@ module runs a built step eagerly: one forward pass over every scheduled token, l
 the rows that need them (sampling positions, prompt-logprob positions), one batched sampling
 pass (``common.sampling``), one device-to-host copy of the results.
 
-On CUDA the model runs torch's operators. On the CPU in float32 it uses executor_gpu's C++
-kernels where they build: decode attention over the paged cache ("cpu_paged") and the fused
-per-layer ops (``cpu_layer_ops``); TANDEM_CPU_KERNELS=0 keeps the torch implementations.
+On CUDA it uses executor_gpu's Triton kernels: decode attention over the paged cache
+("triton_paged") and the fused per-layer ops (``triton_layer_ops``), and replays pure decode
+steps from CUDA graphs (``cuda_graphs``; not with enforce_eager). On the CPU in float32 it uses
+the C++ kernels where they build: decode attention ("cpu_paged") and the fused per-layer ops
+(``cpu_layer_ops``). TANDEM_CUDA_KERNELS=0 / TANDEM_CPU_KERNELS=0 keep the torch
+implementations.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
+from common.attention import AttentionMetadata
 from common.config import ExecutorConfig, ModelGeometry
 from common.input_batch import RequestState, ScheduledRow, StepBatch
 from common.sampling import (
@@ -32,6 +37,7 @@ from common.torch_runner import (
     split_prompt_logprobs,
 )
 from executor_gpu import cpu_kernels
+from executor_gpu.cuda_graphs import DecodeGraphs, capture_sizes
 
 log = logging.getLogger(__name__)
 
@@ -56,20 +62,34 @@ class GPUModelRunner(TorchModelRunner):
     def __init__(self, config: ExecutorConfig, geometry: ModelGeometry):
         super().__init__(config, geometry, resolve_device(config.device))
         self.sampler = Sampler(config.seed, self.device)  # noise for unseeded rows
+        self.fused_ops = None  # the device's fused layer ops, where it has them
+        self.graphs: DecodeGraphs | None = None  # decode replay, set up by capture_model
+        if self.device.type == "cuda" and os.environ.get("TANDEM_CUDA_KERNELS", "1") != "0":
+            try:
+                from executor_gpu import triton_attention, triton_layer_ops
+            except ImportError as exc:  # no Triton: torch's operators, eager
+                log.warning("Triton kernels unavailable (%s): running torch operators", exc)
+            else:
+                triton_attention.register()
+                self.attention_backend = triton_attention.BACKEND_NAME
+                self.fused_ops = triton_layer_ops.CUDA_LAYER_OPS
         # On the CPU in float32: the C++ kernels for decode attention and the layer ops.
-        self.cpu_layer_ops = None
         if self.device.type == "cpu" and config.dtype == "float32" and cpu_kernels.enabled():
             from executor_gpu import cpu_attention, cpu_layer_ops
 
             if cpu_attention.register():  # decode attention in place in the paged cache
                 self.attention_backend = cpu_attention.BACKEND_NAME
-                self.cpu_layer_ops = cpu_layer_ops.layer_ops()
+                self.fused_ops = cpu_layer_ops.layer_ops()
 
     def load_model(self) -> None:
-        """Load the model, then switch it to the fused CPU layer ops where they exist."""
+        """Load the model, then switch it to the device's fused layer ops where they exist."""
         super().load_model()
-        if self.cpu_layer_ops is not None:
-            self.model.set_layer_ops(self.cpu_layer_ops)
+        if self.fused_ops is not None:
+            self.model.set_layer_ops(self.fused_ops)
+
+    def after_kv_cache_allocated(self) -> None:
+        """Graphs captured over the old cache tensors are dropped (capture_model recaptures)."""
+        self.graphs = None
 
     def reset(self) -> None:
         """Forget every request and restart unseeded sampling from the configured seed."""
@@ -81,7 +101,15 @@ class GPUModelRunner(TorchModelRunner):
     def run_rows(self, rows: list[ScheduledRow]) -> RowResults:
         """Build the step's tensors, then forward, logits, sampling and prompt logprobs."""
         batch = self.input_batch.build(rows)
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn)
+        replayed = None
+        if (self.graphs is not None and len(batch.sample_rows) == len(rows)
+                and not batch.prompt_lp_rows):
+            replayed = self.graphs.run(batch.input_ids, batch.positions, batch.attn)
+        if replayed is not None:  # a pure decode step: hidden states and logits by replay
+            hidden, decode_logits = replayed
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, batch.attn)
+            decode_logits = None
         # Per request: did any of its tokens produce a non-finite hidden state? (A sum is
         # finite exactly when every term is.)
         row_sums = torch.zeros(len(rows), dtype=torch.float32, device=self.device)
@@ -89,7 +117,8 @@ class GPUModelRunner(TorchModelRunner):
         results = RowResults.empty(len(rows))
         sample_states = [rows[i].state for i in batch.sample_rows]
         if sample_states:
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            logits = decode_logits if decode_logits is not None else \
+                self.model.compute_logits(hidden[batch.logits_indices])
             logits_ok = logits.sum(dim=-1).isfinite()
             # Zero non-finite rows to keep the batch sane (on the CPU, only when there are any:
             # the check is cheap there, rewriting [S, vocab] is not).
@@ -198,14 +227,29 @@ class GPUModelRunner(TorchModelRunner):
             return 0
         return max(0, torch.cuda.max_memory_allocated(self.device) - base)
 
-    def capture_model(self) -> int:
-        """Warm up a prefill-shaped and a decode-shaped step; returns the graphs captured.
+    def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states and logits of a pure decode step (what the decode graphs capture)."""
+        hidden = self.model(input_ids, positions, meta)
+        return hidden, self.model.compute_logits(hidden)
 
-        No graphs are captured: the CPU has none, and CUDA graphs for decode batch sizes are not
-        implemented yet (CUDA runs eagerly), so this returns 0.
-        """
+    def enable_decode_graphs(self, capture: bool = True) -> int:
+        """Set up decode replay for batch sizes up to max_num_seqs (captured on CUDA; with
+        capture=False, the same static-buffer path run eagerly); returns the graphs made."""
+        bs = self.config.block_size
+        self.graphs = DecodeGraphs(self.decode_forward, capture_sizes(self.config.max_num_seqs),
+                                   -(-self.geometry.max_model_len // bs), bs, self.device,
+                                   capture=capture)
+        with torch.inference_mode():
+            return self.graphs.capture_all()
+
+    def capture_model(self) -> int:
+        """Warm up a prefill-shaped and a decode-shaped step, then, on CUDA with the Triton
+        kernels, capture the decode graphs; returns the graphs captured (0 on the CPU)."""
         with torch.inference_mode():
             self.dummy_run(min(64, self.config.max_num_batched_tokens), 1)
             batch = min(8, self.config.max_num_seqs)
             self.dummy_run(batch, batch)
-        return 0
+        if self.device.type != "cuda" or self.fused_ops is None or not self.kv_caches:
+            return 0
+        return self.enable_decode_graphs()

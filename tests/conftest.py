@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
+# Triton kernels run under Triton's interpreter on CPU tensors in this process (the flag must be
+# set before triton is first imported; tests/test_triton_kernels.py relies on it).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL_DIR = os.path.expanduser("~/.cache/tandem/models/SmolLM2-135M-Instruct")
 

@@ -95,3 +95,18 @@ def test_cpu_step_benchmark_times_every_variant(default_model_dir, tmp_path):
     for r in rows:
         assert r["decode_step_ms"] > 0 and r["prefill_s"] > 0 and r["speedup"] > 0
         assert r["decode_tok_s"] == pytest.approx(r["batch"] * 1e3 / r["decode_step_ms"])
+
+
+def test_gpu_step_benchmark_smoke_on_the_cpu(tmp_path):
+    """The GPU script's own code on the CPU (tiny model, no graphs): its token-identity check
+    against transformers passes and every timing section reports."""
+    out = tmp_path / "gpu_step.json"
+    run = run_script(["benchmarks/gpu_step.py", "--smoke", "--batch-sizes", "1,3", "--context",
+                      "20", "--long-context", "40", "--json", str(out)], timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["tiny_vs_hf"]["token_identical"] == report["tiny_vs_hf"]["requests"] == 4
+    variants = {(r["batch"], r["context"], r["variant"]) for r in report["forward"]}
+    assert {(1, 20, "graph"), (3, 20, "fused"), (3, 40, "graph")} <= variants
+    assert all(r["ms"] > 0 and r["kv_bytes"] > 0 for r in report["forward"])
+    assert report["executor_step_ms"] > 0

@@ -90,11 +90,13 @@ def load_model_geometry(model_dir: str, max_model_len: int = 0,
     )
 
 
-def build_model(model_dir: str, dtype: Any, device: Any, max_model_len: int = 0) -> Any:
+def build_model(model_dir: str, dtype: Any, device: Any, max_model_len: int = 0,
+                load_format: str = "auto") -> Any:
     """Create the checkpoint's model on ``device`` with ``dtype`` weights, loaded and in eval mode.
 
     Parameters are first created on the meta device (no random init), then allocated on the
-    target device and filled from the checkpoint.
+    target device and filled from the checkpoint, or, with ``load_format="dummy"``, with random
+    values (norm weights 1, the rest N(0, 0.02^2), seeded): only config.json is read.
     """
     import torch
 
@@ -106,6 +108,17 @@ def build_model(model_dir: str, dtype: Any, device: Any, max_model_len: int = 0)
         model = cls(cfg, dtype=dtype, max_model_len=max_model_len)
     model.to_empty(device=device)
     model.tie_weights()
-    load_weights(model, model_dir, dtype)
+    if load_format == "dummy":
+        gen = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() == 1:
+                    param.fill_(1.0)
+                else:
+                    param.normal_(0.0, 0.02, generator=gen)
+    elif load_format == "auto":
+        load_weights(model, model_dir, dtype)
+    else:
+        raise ValueError(f"unknown load format {load_format!r} (auto, dummy)")
     model.post_load(device)
     return model.eval().requires_grad_(False)

@@ -1,0 +1,352 @@
+"""The CUDA executor's decode step against the HBM-bandwidth bound, with its correctness checks.
+
+One script for a lent GPU, in the order that matters:
+
+1. ceilings: device-to-device copy bandwidth (bytes read + written), measured here;
+2. correctness on CUDA: the Triton decode attention and fused layer ops against the torch
+   reference (relative error), and a tiny random Llama served by ``GPUModelRunner`` with CUDA
+   graphs, greedy, against transformers ``generate`` on the same GPU (token identity);
+3. a Llama-3-8B-shaped model with random bf16 weights (``--load-format dummy``): the decode
+   forward pass + logits at batch 1/16/64 with torch operators (eager), the fused kernels
+   (eager) and the fused kernels replayed from CUDA graphs, timed with CUDA events; and the
+   whole executor step (``execute_model``: inputs, replay, sampling, results) at batch 64;
+4. the linear layers' GEMMs at decode row counts in both weight layouts.
+
+The bound is the weights' bytes over 4.8 TB/s (the H200's datasheet bandwidth); the KV cache a
+step reads is reported beside it. ``--smoke`` runs the same code on the CPU with a tiny model
+(no graphs, no ceilings) so that the script is tested where there is no GPU.
+
+    python benchmarks/gpu_step.py --json /tmp/gpu_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from common.attention import AttentionMetadata, _decode_attention  # noqa: E402
+from common.config import ExecutorConfig  # noqa: E402
+from common.models import load_model_geometry  # noqa: E402
+from common.models.layer_ops import TORCH_LAYER_OPS  # noqa: E402
+from common.step_types import (  # noqa: E402
+    CachedRequestData,
+    NewRequestData,
+    SamplingParams,
+    StepInput,
+)
+from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
+
+HBM_BYTES_PER_S = 4.8e12  # H200 datasheet
+BLOCK = 16
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+             "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+             "rope_theta": 500000.0, "max_position_embeddings": 8192,
+             "tie_word_embeddings": False, "eos_token_id": 128001}
+TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rope_theta": 10000.0, "max_position_embeddings": 512, "eos_token_id": 0}
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """||got - ref|| / ||ref|| in float64 (NaN anywhere gives NaN)."""
+    got, ref = got.double(), ref.double()
+    return float((got - ref).norm() / ref.norm())
+
+
+def event_median_ms(fn, iters: int = 30, warmup: int = 3) -> float:
+    """Median milliseconds of fn() by CUDA events (host clock + sync on the CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy of 2 GiB, bytes read + written per second."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = event_median_ms(lambda: dst.copy_(src), iters=10)
+    return 2 * src.numel() / (ms / 1e3)
+
+
+def fabricated_meta(batch: int, context: int, device: torch.device) -> AttentionMetadata:
+    """A decode step of ``batch`` requests at ``context`` tokens, each on its own blocks."""
+    per = -(-context // BLOCK)
+    tables = (torch.arange(batch * per, device=device).view(batch, per) + 1)
+    pos = context - 1
+    slots = tables[:, pos // BLOCK] * BLOCK + pos % BLOCK
+    return AttentionMetadata(
+        slot_mapping=slots, query_start_loc=torch.arange(batch + 1, device=device),
+        seq_lens=torch.full((batch,), context, device=device), block_tables=tables,
+        block_size=BLOCK, num_decodes=batch, max_decode_seq_len=context,
+        query_start_loc_host=list(range(batch + 1)), seq_lens_host=[context] * batch)
+
+
+def check_kernels(device: torch.device) -> dict:
+    """Relative errors of the Triton kernels against the torch reference on the GPU."""
+    from executor_gpu import triton_attention
+    from executor_gpu import triton_layer_ops as ops
+
+    out = {}
+    gen = torch.Generator(device=device).manual_seed(0)
+    lens = torch.randint(1, 700, (24,), generator=gen, device=device).tolist()
+    for dtype in (torch.float32, torch.bfloat16):
+        kv = torch.randn(2, 24 * 44 + 1, BLOCK, 8, 128, device=device, generator=gen).to(dtype)
+        tables = torch.randperm(24 * 44, generator=gen, device=device).view(24, 44) + 1
+        meta = AttentionMetadata(torch.zeros(24, dtype=torch.long, device=device),
+                                 torch.arange(25, device=device), torch.tensor(lens, device=device),
+                                 tables, BLOCK, 24, max(lens), list(range(25)), lens)
+        q = torch.randn(24, 32, 128, device=device, generator=gen).to(dtype)
+        ref = _decode_attention(q.double(), kv.double(), meta, 128 ** -0.5)
+        got = triton_attention.paged_decode_attention(q, kv, tables, meta.seq_lens, 128 ** -0.5)
+        out[f"attention_{str(dtype)[6:]}"] = rel_err(got, ref)
+    x = torch.randn(64, 4096, device=device, generator=gen).to(torch.bfloat16)
+    res = torch.randn(64, 4096, device=device, generator=gen).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(4096, device=device, generator=gen)).to(torch.bfloat16)
+    out["rms_norm_bf16"] = rel_err(ops.rms_norm(x, w, 1e-5),
+                                   TORCH_LAYER_OPS.rms_norm(x.double(), w.double(), 1e-5))
+    res_ref = res.double() + x.double()
+    out["add_rms_norm_bf16"] = rel_err(ops.add_rms_norm(x, res, w, 1e-5),
+                                       TORCH_LAYER_OPS.rms_norm(res_ref, w.double(), 1e-5))
+    from common.models.llama import RotaryEmbedding
+
+    table = RotaryEmbedding(128, 8192, 500000.0, None).cos_sin.to(device)
+    positions = torch.randint(0, 8192, (64,), generator=gen, device=device)
+    qkv = torch.randn(64, 48, 128, device=device, generator=gen).to(torch.bfloat16)
+    ref = TORCH_LAYER_OPS.rotary(qkv.double(), 40, TORCH_LAYER_OPS.rope_for_step(
+        table.double(), positions, torch.float64))
+    out["rotary_bf16"] = rel_err(ops.rotary(qkv, 40, ops.rope_for_step(table, positions, None)),
+                                 ref)
+    gu = torch.randn(64, 2 * 14336, device=device, generator=gen).to(torch.bfloat16)
+    out["silu_and_mul_bf16"] = rel_err(ops.silu_and_mul(gu),
+                                       TORCH_LAYER_OPS.silu_and_mul(gu.double()))
+    return out
+
+
+def start_requests(runner: GPUModelRunner, prompts: list[list[int]], step_id: int = 0,
+                   computed: int = 0) -> list[int]:
+    """Send ``prompts`` as new requests (``computed`` tokens already cached, the rest scheduled)
+    on their own blocks; returns the sampled tokens."""
+    per = -(-(max(map(len, prompts)) + 64) // BLOCK)
+    new = [NewRequestData(f"r{i}", p, [], SamplingParams(),
+                          list(range(1 + i * per, 1 + (i + 1) * per)), computed, len(p) - computed)
+           for i, p in enumerate(prompts)]
+    out = runner.execute_model(StepInput(step_id, new_requests=new))
+    return [o.sampled_token_id for o in out.outputs]
+
+
+def decode_step(runner: GPUModelRunner, lengths: list[int], step_id: int) -> list[int]:
+    """One decode step of every request (request i has ``lengths[i]`` known tokens)."""
+    cached = [CachedRequestData(f"r{i}", [], n - 1, 1) for i, n in enumerate(lengths)]
+    out = runner.execute_model(StepInput(step_id, cached_requests=cached))
+    return [o.sampled_token_id for o in out.outputs]
+
+
+def check_tiny_vs_hf(device: torch.device, smoke: bool) -> dict:
+    """Greedy tokens of a tiny random Llama through the runner (graphs on CUDA) against
+    transformers on the same device, float32."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(**{k: v for k, v in TINY.items()
+                                      if k not in ("architectures", "model_type")})
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).to(device).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (7, 30, 61, 100)]
+    with tempfile.TemporaryDirectory() as path:
+        hf.save_pretrained(path)
+        runner = GPUModelRunner(ExecutorConfig(model=path, device=str(device), max_num_seqs=8),
+                                load_model_geometry(path))
+        runner.load_model()
+        runner.initialize_kv_cache(64)
+        graphs = runner.capture_model() if not smoke else runner.enable_decode_graphs(False)
+    outputs = [[t] for t in start_requests(runner, prompts)]
+    for step in range(1, 24):
+        tokens = decode_step(runner, [len(p) + len(o) for p, o in zip(prompts, outputs)], step)
+        for o, t in zip(outputs, tokens):
+            o.append(t)
+    same = 0
+    for p, o in zip(prompts, outputs):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([p], device=device), max_new_tokens=len(o),
+                              do_sample=False, eos_token_id=None, pad_token_id=0)
+        same += o == ref[0, len(p):].tolist()
+    return {"graphs_captured": graphs, "requests": len(prompts), "token_identical": same,
+            "tokens_each": len(outputs[0])}
+
+
+def time_forward(runner: GPUModelRunner, batches: list[int], context: int) -> list[dict]:
+    """Decode forward + logits per variant and batch size (fabricated cache contents)."""
+    model, device = runner.model, runner.device
+    variants = [("torch", TORCH_LAYER_OPS, "torch", False),
+                ("fused", runner.fused_ops, runner.attention_backend, False),
+                ("graph", runner.fused_ops, runner.attention_backend, True)]
+    rows = []
+    with torch.inference_mode():
+        for batch in batches:
+            meta = fabricated_meta(batch, context, device)
+            ids = torch.randint(0, runner.geometry.vocab_size, (batch,), device=device)
+            pos = torch.full((batch,), context - 1, device=device)
+            for name, ops, backend, graphed in variants:
+                if ops is None or (name == "torch" and runner.fused_ops is not None and
+                                   runner.fused_ops.prepare_linear is not ops.prepare_linear):
+                    continue  # (the CPU's fused ops repack the weights: no torch variant)
+                if model.layer_ops is not ops:
+                    model.set_layer_ops(ops)
+                model.set_attention_backend(backend)
+                if graphed:
+                    ms = event_median_ms(lambda i=ids, p=pos, m=meta: runner.graphs.run(i, p, m))
+                else:
+                    meta.derived.clear()
+                    ms = event_median_ms(
+                        lambda i=ids, p=pos, m=meta: runner.decode_forward(i, p, m), iters=10)
+                rows.append({"batch": batch, "context": context, "variant": name, "ms": ms})
+    if model.layer_ops is not (runner.fused_ops or TORCH_LAYER_OPS):
+        model.set_layer_ops(runner.fused_ops or TORCH_LAYER_OPS)
+    model.set_attention_backend(runner.attention_backend)
+    return rows
+
+
+def time_executor_step(runner: GPUModelRunner, batch: int, context: int, steps: int) -> float:
+    """Median wall seconds of ``execute_model`` decode steps (graphs replayed where captured)."""
+    runner.reset()
+    vocab = runner.geometry.vocab_size
+    prompts = [[(7 * i + j) % vocab for j in range(context)] for i in range(batch)]
+    with torch.inference_mode():
+        start_requests(runner, prompts, computed=context - 1)
+        times = []
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            decode_step(runner, [context + step] * batch, step)  # ends in a device->host copy
+            times.append(time.perf_counter() - t0)
+    runner.reset()
+    return statistics.median(times[2:] or times)
+
+
+def time_gemms(device: torch.device, dtype: torch.dtype, rows: list[int]) -> list[dict]:
+    """x @ W with W [in, out] (the model's layout) against F.linear with W [out, in]."""
+    out = []
+    for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256)):
+        w = torch.randn(k, n, device=device).to(dtype)
+        wt = w.t().contiguous()
+        for m in rows:
+            x = torch.randn(m, k, device=device).to(dtype)
+            a = event_median_ms(lambda x=x, w=w: torch.mm(x, w))
+            b = event_median_ms(lambda x=x, wt=wt: F.linear(x, wt))
+            gbs = w.numel() * w.element_size() / 1e6
+            out.append({"k": k, "n": n, "m": m, "in_out_ms": a, "out_in_ms": b,
+                        "in_out_TBps": gbs / a / 1e3, "out_in_TBps": gbs / b / 1e3})
+        del w, wt
+    return out
+
+
+def section(report: dict, key: str, fn) -> None:
+    """report[key] = fn(), or the error it raised (one failing check does not end the run)."""
+    started = time.perf_counter()
+    try:
+        report[key] = fn()
+    except Exception as exc:  # reported, not fatal: the device time is precious
+        traceback.print_exc()
+        report[key] = {"error": repr(exc)}
+    print(f"[{time.perf_counter() - started:6.1f}s] {key}: {report[key]}", flush=True)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-sizes", default="1,16,64")
+    p.add_argument("--context", type=int, default=256, help="cached tokens per request")
+    p.add_argument("--long-context", type=int, default=1024, help="also at batch max; 0 = off")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, no graphs")
+    p.add_argument("--json", default="")
+    a = p.parse_args(argv)
+    smoke = a.smoke or not torch.cuda.is_available()
+    device = torch.device("cpu" if smoke else "cuda", None if smoke else 0)
+    batches = [int(b) for b in a.batch_sizes.split(",")]
+    report: dict = {"device": "cpu" if smoke else torch.cuda.get_device_name(device),
+                    "torch": torch.__version__}
+    if not smoke:
+        section(report, "copy_TBps", lambda: copy_bandwidth(device) / 1e12)
+        section(report, "kernel_rel_err", lambda: check_kernels(device))
+    section(report, "tiny_vs_hf", lambda: check_tiny_vs_hf(device, smoke))
+    print(json.dumps(report, indent=1), flush=True)
+
+    shape = TINY if smoke else LLAMA3_8B
+    contexts = [a.context] + ([a.long_context] if a.long_context else [])
+    per = -(-(max(contexts) + 64) // BLOCK)
+    with tempfile.TemporaryDirectory() as path:
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(shape, f)
+        cfg = ExecutorConfig(model=path, dtype="float32" if smoke else "bfloat16",
+                             device=str(device), max_num_seqs=max(batches), max_model_len=2048,
+                             load_format="dummy")
+        runner = GPUModelRunner(cfg, load_model_geometry(path, cfg.max_model_len))
+        runner.load_model()
+    runner.initialize_kv_cache(1 + max(batches) * per)
+    report["weights_bytes"] = runner.weights_bytes
+    # Bytes a decode step streams: every weight but the input embedding (a few rows read).
+    embed = runner.model.model.embed_tokens.weight
+    report["streamed_weight_bytes"] = runner.weights_bytes - embed.numel() * embed.element_size()
+    section(report, "graphs_captured", lambda: runner.capture_model() if not smoke else
+            runner.enable_decode_graphs(False))
+    rows: list[dict] = []
+    section(report, "forward_short", lambda: rows.extend(
+        time_forward(runner, batches, a.context)) or len(rows))
+    if a.long_context:
+        section(report, "forward_long", lambda: rows.extend(
+            time_forward(runner, [max(batches)], a.long_context)) or len(rows))
+    bound_ms = runner.weights_bytes / HBM_BYTES_PER_S * 1e3
+    g = runner.geometry
+    for r in rows:
+        kv = 2 * r["batch"] * r["context"] * g.num_kv_heads * g.head_dim * 2 * g.num_layers
+        r.update(kv_bytes=kv, bound_ms=bound_ms, over_bound=r["ms"] / bound_ms)
+    report["forward"] = rows
+    section(report, "executor_step_ms",
+            lambda: time_executor_step(runner, max(batches), a.context, 12) * 1e3)
+    if not smoke:
+        section(report, "gemms", lambda: time_gemms(device, torch.bfloat16, [1, 64]))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+    streamed = report["streamed_weight_bytes"] / 1e9
+    print(f"\nweights {runner.weights_bytes / 1e9:.2f} GB ({streamed:.2f} GB streamed per "
+          f"step); bound at 4.8 TB/s {bound_ms:.2f} ms; copy {report.get('copy_TBps')} TB/s")
+    print(f"{'batch':>5} {'ctx':>5} {'variant':>7} {'ms':>8} {'x bound':>8} {'KV GB':>6}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['context']:>5} {r['variant']:>7} {r['ms']:>8.2f} "
+              f"{r['over_bound']:>8.2f} {r['kv_bytes'] / 1e9:>6.2f}")
+    print(f"executor step (execute_model), batch {max(batches)}, ctx {a.context}: "
+          f"{report['executor_step_ms']} ms")
+    for r in report.get("gemms") if isinstance(report.get("gemms"), list) else []:
+        print(f"gemm m={r['m']:>2} {r['k']}x{r['n']}: [in,out] {r['in_out_ms']:.3f} ms "
+              f"({r['in_out_TBps']:.2f} TB/s), [out,in] {r['out_in_ms']:.3f} ms "
+              f"({r['out_in_TBps']:.2f} TB/s)")
+
+
+if __name__ == "__main__":
+    main()

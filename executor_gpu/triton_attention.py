@@ -1,0 +1,114 @@
+"""CUDA decode attention over the paged KV cache, in Triton ("triton_paged").
+
+One program computes one request's attention for one KV head: the group of query heads that
+share that KV head (GQA) walks the request's context in tiles of ``TILE`` tokens, reading keys
+and values in place through the block table (no gathered copy, no padded mask), with an online
+softmax in float32. The group's queries are the rows of two small matrix products per tile
+(padded to 16 rows for the tensor cores; float32 models multiply in full float32, "ieee"). The program's loop bound is the request's length read on the device, so one
+launch serves any mix of lengths and the launch can be captured in a CUDA graph.
+
+Longer query chunks (prefills) use the torch implementation (``paged_attention_with``). The
+kernel also runs under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is
+how the tests check it on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from common.attention import AttentionMetadata, paged_attention_with, register_attention_backend
+
+BACKEND_NAME = "triton_paged"
+#: Context tokens one loop iteration reads (a power of two, at least 16; the block size need not
+#: divide it).
+TILE = 64
+
+
+@triton.jit
+def _paged_decode_kernel(out_ptr, q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, scale,
+                         q_stride_t, q_stride_h, out_stride_t, out_stride_h,
+                         kv_stride_side, kv_stride_block, kv_stride_slot, kv_stride_head,
+                         table_stride, block_size,
+                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         DIM_PAD: tl.constexpr, TILE_TOKENS: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    t = tl.arange(0, TILE_TOKENS)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    # The group's queries as the rows of a matrix product (rows past the group are zero).
+    q = tl.load(q_ptr + req * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max per query head
+    l_i = tl.zeros([GROUP_PAD], tl.float32)  # running softmax denominator
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)  # running weighted sum of values
+    table = tables_ptr + req * table_stride
+    head_base = cache_ptr + kv_head * kv_stride_head
+    start = seq_len * 0
+    while start < seq_len:  # (a while loop: Triton's interpreter cannot range over a tensor)
+        pos = start + t
+        ok = pos < seq_len
+        block = tl.load(table + pos // block_size, mask=ok, other=0)
+        slot = block.to(tl.int64) * kv_stride_block + (pos % block_size) * kv_stride_slot
+        offs = slot[:, None] + d[None, :]
+        kv_mask = ok[:, None] & d_ok[None, :]
+        k = tl.load(head_base + offs, mask=kv_mask, other=0.0)  # [TILE, D]
+        v = tl.load(head_base + kv_stride_side + offs, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP, TILE]
+        scores = tl.where(ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+        start += TILE_TOKENS
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + req * out_stride_t + heads[:, None] * out_stride_h + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of N single-token queries ([N, heads, d], any strides with a unit last one) to
+    their cached contexts; returns [N, heads, d] in the query's dtype.
+
+    ``kv_cache`` is common.attention's layout [2, blocks, block_size, kv_heads, d]; request i
+    reads ``seq_lens[i]`` tokens through ``block_tables[i]``. Every length must be at least 1.
+    """
+    n, num_heads, head_dim = query.shape
+    _, _, block_size, kv_heads, _ = kv_cache.shape
+    group = num_heads // kv_heads
+    out = torch.empty(n, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    if n == 0:
+        return out
+    assert query.stride(2) == 1 and kv_cache.is_contiguous()
+    tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    _paged_decode_kernel[(n, kv_heads)](
+        out, query, kv_cache, tables, seq_lens, scale,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        tables.stride(0), block_size,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        DIM_PAD=max(16, triton.next_power_of_2(head_dim)), TILE_TOKENS=TILE,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=4)
+    return out
+
+
+def _decode(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+            scale: float) -> torch.Tensor:
+    n = query.shape[0]
+    return paged_decode_attention(query, kv_cache, meta.block_tables[:n], meta.seq_lens[:n],
+                                  scale)
+
+
+def register() -> None:
+    """Register the "triton_paged" backend (Triton decodes, torch prefills)."""
+    register_attention_backend(BACKEND_NAME, paged_attention_with(_decode))

@@ -1,0 +1,162 @@
+"""The CUDA executor's Triton kernels against the torch reference, under Triton's interpreter.
+
+``TRITON_INTERPRET=1`` makes ``triton.jit`` return interpreted kernels that run on CPU tensors,
+so this checks the kernels' indexing and arithmetic on machines without a GPU (the CUDA build of
+the same kernels is checked by benchmarks/gpu_step.py on a GPU). The flag must be set before
+triton is first imported (its own library functions are kernels too): tests/conftest.py sets it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from common.attention import AttentionMetadata, _decode_attention, torch_paged_attention
+from common.models.layer_ops import TORCH_LAYER_OPS
+
+triton = pytest.importorskip("triton")
+
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # conftest sets it before triton loads
+    pytest.skip("TRITON_INTERPRET=1 was not set before triton was imported",
+                allow_module_level=True)
+
+from executor_gpu import triton_attention as attn  # noqa: E402
+from executor_gpu import triton_layer_ops as ops  # noqa: E402
+
+
+def _meta(lens: list[int], block_size: int, num_blocks: int, seed: int,
+          extra_columns: int = 1) -> AttentionMetadata:
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // block_size) for n in lens) + extra_columns
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.long)
+    free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # never the null block
+    for i, n in enumerate(lens):
+        used = -(-n // block_size)
+        tables[i, :used] = torch.tensor(free[:used])
+        del free[:used]
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(len(lens), dtype=torch.long),
+        query_start_loc=torch.arange(len(lens) + 1), seq_lens=torch.tensor(lens),
+        block_tables=tables, block_size=block_size, num_decodes=len(lens),
+        max_decode_seq_len=max(lens), query_start_loc_host=list(range(len(lens) + 1)),
+        seq_lens_host=list(lens))
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [
+    (8, 2, 64, 16),  # GQA group of 4
+    (6, 2, 80, 16),  # group of 3 and a head size that is not a power of two (padded)
+    (4, 4, 32, 8),  # no grouping; a block size smaller than the tile
+    (4, 1, 16, 48),  # a block size larger than the tile, not a power of two
+])
+@pytest.mark.parametrize("lens", [[1], [5, 33, 32, 70], [100, 1, 64]])
+def test_decode_attention_matches_reference(heads, kv_heads, dim, block_size, lens):
+    torch.manual_seed(sum(lens) + heads)
+    num_blocks = 64
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, dim)
+    meta = _meta(lens, block_size, num_blocks, seed=heads, extra_columns=3)
+    # Queries as a strided view of a fused q|k|v tensor, as the model passes them.
+    qkv = torch.randn(len(lens), heads + 2 * kv_heads, dim)
+    q = qkv[:, :heads]
+    expected = _decode_attention(q, kv, meta, dim ** -0.5)
+    got = attn.paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, dim ** -0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_ignores_unread_slots():
+    """Slots past a request's length (and the padding columns' blocks) may hold anything,
+    NaN included, without reaching the output."""
+    torch.manual_seed(1)
+    kv = torch.randn(2, 16, 4, 2, 32)
+    meta = _meta([6, 9], 4, 16, seed=2)
+    clean = attn.paged_decode_attention(torch.randn(2, 4, 32), kv, meta.block_tables,
+                                        meta.seq_lens, 0.2)
+    q = torch.randn(2, 4, 32)
+    ref = attn.paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.2)
+    poisoned = kv.clone()
+    for i, n in enumerate([6, 9]):
+        last = meta.block_tables[i, (n - 1) // 4]
+        poisoned[:, last, n % 4 or 4:] = float("nan")
+    poisoned[:, 0] = float("nan")  # the padding columns point at block 0
+    got = attn.paged_decode_attention(q, poisoned, meta.block_tables, meta.seq_lens, 0.2)
+    assert clean.isfinite().all()
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_backend_writes_kv_and_mixes_prefills():
+    """The registered backend stores every new token's KV, runs Triton decodes and torch
+    prefills, and equals the torch backend on the same step."""
+    attn.register()
+    from common.attention import get_attention_backend
+
+    torch.manual_seed(3)
+    heads, kv_heads, dim, bs, num_blocks = 4, 2, 16, 4, 32
+    lens = [9, 14, 7]  # the last request computes its last 3 tokens in this step
+    meta = _meta(lens, bs, num_blocks, seed=1)
+    meta.num_decodes = 2
+    meta.query_start_loc_host = [0, 1, 2, 5]
+    meta.query_start_loc = torch.tensor(meta.query_start_loc_host)
+    positions = [8, 13, 4, 5, 6]
+    rows = [0, 1, 2, 2, 2]
+    meta.slot_mapping = torch.tensor([int(meta.block_tables[r, p // bs]) * bs + p % bs
+                                      for r, p in zip(rows, positions)])
+    q, k, v = (torch.randn(5, h, dim) for h in (heads, kv_heads, kv_heads))
+    cache = torch.randn(2, num_blocks, bs, kv_heads, dim)
+    ref_cache = cache.clone()
+    got = get_attention_backend(attn.BACKEND_NAME)(q, k, v, cache, meta, 0.25)
+    expected = torch_paged_attention(q, k, v, ref_cache, meta, 0.25)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_match_reference(dtype):
+    torch.manual_seed(4)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2,
+                                                                        "atol": 2e-2}
+    for hidden in (64, 96):
+        x = (torch.randn(5, hidden) * 3).to(dtype)
+        w = torch.randn(hidden).to(dtype)
+        torch.testing.assert_close(ops.rms_norm(x, w, 1e-5),
+                                   TORCH_LAYER_OPS.rms_norm(x, w, 1e-5), **tol)
+        res = torch.randn(5, hidden).to(dtype)
+        res_ref = res.clone()
+        got = ops.add_rms_norm(x, res, w, 1e-6)
+        expected = TORCH_LAYER_OPS.add_rms_norm(x, res_ref, w, 1e-6)
+        # The same rounded sum (the interpreter rounds float32 -> bfloat16 toward zero, the GPU
+        # to nearest: one bfloat16 ulp apart there).
+        exact = {"rtol": 0, "atol": 0} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 0}
+        torch.testing.assert_close(res, res_ref, **exact)
+        torch.testing.assert_close(got, expected, **tol)
+    assert ops.rms_norm(torch.zeros(0, 64), torch.ones(64), 1e-6).shape == (0, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_matches_reference(dtype):
+    torch.manual_seed(5)
+    from common.models.llama import RotaryEmbedding
+
+    rope = RotaryEmbedding(32, 128, 10000.0, None)
+    positions = torch.tensor([0, 5, 127, 64, 3])
+    qkv = torch.randn(5, 6 + 2 * 2, 32).to(dtype)  # 6 query, 2 key, 2 value heads
+    expected = TORCH_LAYER_OPS.rotary(
+        qkv, 8, TORCH_LAYER_OPS.rope_for_step(rope.cos_sin, positions, dtype))
+    untouched = qkv[:, 8:].clone()
+    got = ops.rotary(qkv, 8, ops.rope_for_step(rope.cos_sin, positions, dtype))
+    assert got.data_ptr() == qkv.data_ptr()  # in place, a view of the first 8 heads
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2,
+                                                                        "atol": 2e-2}
+    torch.testing.assert_close(got, expected, **tol)
+    torch.testing.assert_close(qkv[:, 8:], untouched, rtol=0, atol=0)  # values left alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_reference(dtype):
+    torch.manual_seed(6)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2,
+                                                                        "atol": 1e-2}
+    for inter in (48, 1500):  # one partial block; several blocks per row
+        x = (torch.randn(3, 2 * inter) * 4).to(dtype)
+        torch.testing.assert_close(ops.silu_and_mul(x), TORCH_LAYER_OPS.silu_and_mul(x), **tol)
