@@ -22,6 +22,7 @@ step reads is reported beside it. ``--smoke`` runs the same code on the CPU with
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -33,7 +34,6 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from common.attention import AttentionMetadata, _decode_attention  # noqa: E402
 from common.config import ExecutorConfig  # noqa: E402
@@ -144,6 +144,12 @@ def check_kernels(device: torch.device) -> dict:
     gu = torch.randn(64, 2 * 14336, device=device, generator=gen).to(torch.bfloat16)
     out["silu_and_mul_bf16"] = rel_err(ops.silu_and_mul(gu),
                                        TORCH_LAYER_OPS.silu_and_mul(gu.double()))
+    w = (torch.randn(4096, 6144, device=device, generator=gen) * 0.02).to(torch.bfloat16)
+    b = torch.randn(6144, device=device, generator=gen).to(torch.bfloat16)
+    for m in (1, 64):
+        xm = x[:m]
+        out[f"linear_bf16_m{m}"] = rel_err(ops.linear(xm, w, b),
+                                           xm.double() @ w.double() + b.double())
     return out
 
 
@@ -250,19 +256,30 @@ def time_executor_step(runner: GPUModelRunner, batch: int, context: int, steps: 
 
 
 def time_gemms(device: torch.device, dtype: torch.dtype, rows: list[int]) -> list[dict]:
-    """x @ W with W [in, out] (the model's layout) against F.linear with W [out, in]."""
+    """The linear layers' products at decode row counts: cuBLAS (``torch.mm``, the model's
+    [in, out] layout) against the split-K kernel at each split (0 = the one it picks)."""
+    from executor_gpu import triton_linear
+
     out = []
-    for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256)):
+    for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
         w = torch.randn(k, n, device=device).to(dtype)
-        wt = w.t().contiguous()
+        mb = w.numel() * w.element_size() / 1e6
         for m in rows:
             x = torch.randn(m, k, device=device).to(dtype)
-            a = event_median_ms(lambda x=x, w=w: torch.mm(x, w))
-            b = event_median_ms(lambda x=x, wt=wt: F.linear(x, wt))
-            gbs = w.numel() * w.element_size() / 1e6
-            out.append({"k": k, "n": n, "m": m, "in_out_ms": a, "out_in_ms": b,
-                        "in_out_TBps": gbs / a / 1e3, "out_in_TBps": gbs / b / 1e3})
-        del w, wt
+            row = {"k": k, "n": n, "m": m, "cublas_ms": event_median_ms(
+                lambda x=x, w=w: torch.mm(x, w)), "picked_split": triton_linear.split_for(
+                    k, n, device)}
+            ref = x.double() @ w.double()
+            for split in (0, 1, 2, 4, 8):
+                if k % (split * triton_linear.BLOCK_K or 1):
+                    continue
+                fn = functools.partial(triton_linear.split_k_linear, x, w, None, split)
+                row[f"split{split}_ms"] = event_median_ms(fn)
+                row[f"split{split}_err"] = rel_err(fn(), ref)
+            row["cublas_TBps"] = mb / row["cublas_ms"] / 1e3
+            row["split0_TBps"] = mb / row["split0_ms"] / 1e3
+            out.append(row)
+        del w
     return out
 
 
@@ -329,7 +346,7 @@ def main(argv=None) -> None:
     section(report, "executor_step_ms",
             lambda: time_executor_step(runner, max(batches), a.context, 12) * 1e3)
     if not smoke:
-        section(report, "gemms", lambda: time_gemms(device, torch.bfloat16, [1, 64]))
+        section(report, "gemms", lambda: time_gemms(device, torch.bfloat16, [1, 16, 64]))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
@@ -343,10 +360,12 @@ def main(argv=None) -> None:
     print(f"executor step (execute_model), batch {max(batches)}, ctx {a.context}: "
           f"{report['executor_step_ms']} ms")
     for r in report.get("gemms") if isinstance(report.get("gemms"), list) else []:
-        print(f"gemm m={r['m']:>2} {r['k']}x{r['n']}: [in,out] {r['in_out_ms']:.3f} ms "
-              f"({r['in_out_TBps']:.2f} TB/s), [out,in] {r['out_in_ms']:.3f} ms "
-              f"({r['out_in_TBps']:.2f} TB/s)")
-
+        splits = " ".join(f"s{sp}={r[f'split{sp}_ms'] * 1e3:.0f}" for sp in (1, 2, 4, 8)
+                          if f"split{sp}_ms" in r)
+        print(f"gemm m={r['m']:>2} {r['k']}x{r['n']}: cuBLAS {r['cublas_ms'] * 1e3:.0f} us "
+              f"({r['cublas_TBps']:.2f} TB/s); split-K (s{r['picked_split']}) "
+              f"{r['split0_ms'] * 1e3:.0f} us ({r['split0_TBps']:.2f} TB/s, err "
+              f"{r['split0_err']:.1e}); {splits}")
 
 if __name__ == "__main__":
     main()

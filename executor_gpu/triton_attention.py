@@ -4,8 +4,9 @@ One program computes one request's attention for one KV head: the group of query
 share that KV head (GQA) walks the request's context in tiles of ``TILE`` tokens, reading keys
 and values in place through the block table (no gathered copy, no padded mask), with an online
 softmax in float32. The group's queries are the rows of two small matrix products per tile
-(padded to 16 rows for the tensor cores; float32 models multiply in full float32, "ieee"). The program's loop bound is the request's length read on the device, so one
-launch serves any mix of lengths and the launch can be captured in a CUDA graph.
+(padded to 16 rows for the tensor cores; float32 models multiply in full float32, "ieee").
+The program's loop bound is the request's length read on the device, so one launch serves any
+mix of lengths and the launch can be captured in a CUDA graph.
 
 Longer query chunks (prefills) use the torch implementation (``paged_attention_with``). The
 kernel also runs under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is

@@ -4,7 +4,8 @@ Each elementwise op is one kernel instead of the 3 to 8 eager operators of the t
 RMSNorm (with the residual add folded in, the residual updated in place), RoPE in place on the
 query and key heads (reading the cos|sin table by position, so no per-step table gather), and
 SiLU-and-multiply. The arithmetic is done in float32 and rounded once to the model's dtype.
-Linear layers and the logits stay on cuBLAS (torch's set). A decode step of a 32-layer model is
+Linear layers of decode-sized bf16/fp16 batches use the split-K kernel of ``triton_linear``;
+larger batches and the logits stay on cuBLAS (torch's set). A decode step of a 32-layer model is
 then about 11 launches per layer, which CUDA graphs replay with no host work.
 
 The kernels also run under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors.
@@ -17,6 +18,7 @@ import triton
 import triton.language as tl
 
 from common.models.layer_ops import TORCH_LAYER_OPS, LayerOps
+from executor_gpu import triton_linear
 
 
 @triton.jit
@@ -125,7 +127,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-#: The CUDA set: Triton elementwise kernels, cuBLAS linear layers and logits.
-CUDA_LAYER_OPS = LayerOps("cuda_fused", TORCH_LAYER_OPS.prepare_linear, TORCH_LAYER_OPS.linear,
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight + bias: split-K Triton for decode-sized bf16/fp16 batches, else cuBLAS."""
+    if triton_linear.supports(x, weight):
+        return triton_linear.split_k_linear(x, weight, bias)
+    return TORCH_LAYER_OPS.linear(x, weight, bias)
+
+
+#: The CUDA set: Triton elementwise kernels and decode-sized linear layers; cuBLAS for larger
+#: batches and the logits.
+CUDA_LAYER_OPS = LayerOps("cuda_fused", TORCH_LAYER_OPS.prepare_linear, linear,
                           rms_norm, add_rms_norm, rope_for_step, rotary, silu_and_mul,
                           TORCH_LAYER_OPS.prepare_logits, TORCH_LAYER_OPS.logits)
