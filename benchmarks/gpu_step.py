@@ -22,7 +22,7 @@ step reads is reported beside it. ``--smoke`` runs the same code on the CPU with
 from __future__ import annotations
 
 import argparse
-import functools
+import dataclasses
 import json
 import os
 import statistics
@@ -144,12 +144,6 @@ def check_kernels(device: torch.device) -> dict:
     gu = torch.randn(64, 2 * 14336, device=device, generator=gen).to(torch.bfloat16)
     out["silu_and_mul_bf16"] = rel_err(ops.silu_and_mul(gu),
                                        TORCH_LAYER_OPS.silu_and_mul(gu.double()))
-    w = (torch.randn(4096, 6144, device=device, generator=gen) * 0.02).to(torch.bfloat16)
-    b = torch.randn(6144, device=device, generator=gen).to(torch.bfloat16)
-    for m in (1, 64):
-        xm = x[:m]
-        out[f"linear_bf16_m{m}"] = rel_err(ops.linear(xm, w, b),
-                                           xm.double() @ w.double() + b.double())
     return out
 
 
@@ -207,12 +201,16 @@ def check_tiny_vs_hf(device: torch.device, smoke: bool) -> dict:
             "tokens_each": len(outputs[0])}
 
 
-def time_forward(runner: GPUModelRunner, batches: list[int], context: int) -> list[dict]:
-    """Decode forward + logits per variant and batch size (fabricated cache contents)."""
+def time_forward(runner: GPUModelRunner, batches: list[int], context: int,
+                 graph_name: str = "") -> list[dict]:
+    """Decode forward + logits per variant and batch size (fabricated cache contents); with
+    ``graph_name``, only the graph replay, reported under that name."""
     model, device = runner.model, runner.device
     variants = [("torch", TORCH_LAYER_OPS, "torch", False),
                 ("fused", runner.fused_ops, runner.attention_backend, False),
                 ("graph", runner.fused_ops, runner.attention_backend, True)]
+    if graph_name:
+        variants = [(graph_name, runner.fused_ops, runner.attention_backend, True)]
     rows = []
     with torch.inference_mode():
         for batch in batches:
@@ -256,31 +254,66 @@ def time_executor_step(runner: GPUModelRunner, batch: int, context: int, steps: 
 
 
 def time_gemms(device: torch.device, dtype: torch.dtype, rows: list[int]) -> list[dict]:
-    """The linear layers' products at decode row counts: cuBLAS (``torch.mm``, the model's
-    [in, out] layout) against the split-K kernel at each split (0 = the one it picks)."""
-    from executor_gpu import triton_linear
-
+    """cuBLAS on the linear layers' shapes at decode row counts (the model's [in, out] layout),
+    as achieved weight bandwidth."""
     out = []
     for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
         w = torch.randn(k, n, device=device).to(dtype)
         mb = w.numel() * w.element_size() / 1e6
         for m in rows:
             x = torch.randn(m, k, device=device).to(dtype)
-            row = {"k": k, "n": n, "m": m, "cublas_ms": event_median_ms(
-                lambda x=x, w=w: torch.mm(x, w)), "picked_split": triton_linear.split_for(
-                    k, n, device)}
-            ref = x.double() @ w.double()
-            for split in (0, 1, 2, 4, 8):
-                if k % (split * triton_linear.BLOCK_K or 1):
-                    continue
-                fn = functools.partial(triton_linear.split_k_linear, x, w, None, split)
-                row[f"split{split}_ms"] = event_median_ms(fn)
-                row[f"split{split}_err"] = rel_err(fn(), ref)
-            row["cublas_TBps"] = mb / row["cublas_ms"] / 1e3
-            row["split0_TBps"] = mb / row["split0_ms"] / 1e3
-            out.append(row)
+            ms = event_median_ms(lambda x=x, w=w: torch.mm(x, w))
+            out.append({"k": k, "n": n, "m": m, "ms": ms, "TBps": mb / ms / 1e3})
         del w
     return out
+
+
+def out_in_ops(ops):
+    """``ops`` with linear weights stored [out, in] and multiplied by ``F.linear`` (cuBLAS's
+    "TN" product) instead of the model's [in, out] ``torch.mm``."""
+    import torch.nn.functional as F
+
+    return dataclasses.replace(ops, name=ops.name + "_out_in",
+                               prepare_linear=lambda w: w.t().contiguous(),
+                               linear=lambda x, w, b: F.linear(x, w, b))
+
+
+def recaptured_rows(runner: GPUModelRunner, batches: list[int], context: int, name: str,
+                    blas: str = "", ops=None) -> list[dict]:
+    """Graph replay after recapturing with torch's GEMMs on another BLAS library or with other
+    layer ops; the BLAS choice is restored after (the ops are not: run this last for them)."""
+    default = torch.backends.cuda.preferred_blas_library()
+    if blas:
+        torch.backends.cuda.preferred_blas_library(blas)
+    if ops is not None:
+        runner.fused_ops = ops
+        runner.model.set_layer_ops(ops)
+    try:
+        runner.enable_decode_graphs()
+        return time_forward(runner, batches, context, graph_name=name)
+    finally:
+        torch.backends.cuda.preferred_blas_library(default)
+
+
+def profile_replay(runner: GPUModelRunner, batch: int, context: int) -> list[dict]:
+    """Device time per kernel name over 5 graph replays of a decode step (CUPTI sees the
+    kernels inside graphs), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    meta = fabricated_meta(batch, context, runner.device)
+    ids = torch.zeros(batch, dtype=torch.long, device=runner.device)
+    pos = torch.full((batch,), context - 1, device=runner.device)
+    with torch.inference_mode():
+        runner.graphs.run(ids, pos, meta)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                runner.graphs.run(ids, pos, meta)
+            torch.cuda.synchronize()
+    rows = [{"kernel": e.key[:90], "calls": e.count // 5,
+             "us_per_step": e.device_time_total / 5}
+            for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["us_per_step"])[:16]
 
 
 def section(report: dict, key: str, fn) -> None:
@@ -337,14 +370,24 @@ def main(argv=None) -> None:
     if a.long_context:
         section(report, "forward_long", lambda: rows.extend(
             time_forward(runner, [max(batches)], a.long_context)) or len(rows))
+    if not smoke:
+        section(report, "profile", lambda: profile_replay(runner, max(batches), a.context))
+    if not smoke:  # the same graphs over cuBLASLt's GEMM heuristics
+        section(report, "forward_cublaslt", lambda: rows.extend(recaptured_rows(
+            runner, batches, a.context, "graph_lt", blas="cublaslt")) or len(rows))
+        runner.enable_decode_graphs()
+    section(report, "executor_step_ms",
+            lambda: time_executor_step(runner, max(batches), a.context, 12) * 1e3)
+    if not smoke:  # last: this one re-lays the weights out
+        section(report, "forward_out_in", lambda: rows.extend(recaptured_rows(
+            runner, batches, a.context, "graph_oi", ops=out_in_ops(runner.fused_ops)))
+            or len(rows))
     bound_ms = runner.weights_bytes / HBM_BYTES_PER_S * 1e3
     g = runner.geometry
     for r in rows:
         kv = 2 * r["batch"] * r["context"] * g.num_kv_heads * g.head_dim * 2 * g.num_layers
         r.update(kv_bytes=kv, bound_ms=bound_ms, over_bound=r["ms"] / bound_ms)
     report["forward"] = rows
-    section(report, "executor_step_ms",
-            lambda: time_executor_step(runner, max(batches), a.context, 12) * 1e3)
     if not smoke:
         section(report, "gemms", lambda: time_gemms(device, torch.bfloat16, [1, 16, 64]))
     if a.json:
@@ -357,15 +400,13 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"{r['batch']:>5} {r['context']:>5} {r['variant']:>7} {r['ms']:>8.2f} "
               f"{r['over_bound']:>8.2f} {r['kv_bytes'] / 1e9:>6.2f}")
+    for r in report.get("profile") if isinstance(report.get("profile"), list) else []:
+        print(f"{r['us_per_step']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
     print(f"executor step (execute_model), batch {max(batches)}, ctx {a.context}: "
           f"{report['executor_step_ms']} ms")
     for r in report.get("gemms") if isinstance(report.get("gemms"), list) else []:
-        splits = " ".join(f"s{sp}={r[f'split{sp}_ms'] * 1e3:.0f}" for sp in (1, 2, 4, 8)
-                          if f"split{sp}_ms" in r)
-        print(f"gemm m={r['m']:>2} {r['k']}x{r['n']}: cuBLAS {r['cublas_ms'] * 1e3:.0f} us "
-              f"({r['cublas_TBps']:.2f} TB/s); split-K (s{r['picked_split']}) "
-              f"{r['split0_ms'] * 1e3:.0f} us ({r['split0_TBps']:.2f} TB/s, err "
-              f"{r['split0_err']:.1e}); {splits}")
+        print(f"gemm m={r['m']:>2} {r['k']}x{r['n']}: cuBLAS {r['ms'] * 1e3:.0f} us "
+              f"({r['TBps']:.2f} TB/s)")
 
 if __name__ == "__main__":
     main()

@@ -32,9 +32,11 @@ def _paged_decode_kernel(out_ptr, q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, sc
                          q_stride_t, q_stride_h, out_stride_t, out_stride_h,
                          kv_stride_side, kv_stride_block, kv_stride_slot, kv_stride_head,
                          table_stride, block_size,
+                         k_new_ptr, v_new_ptr, slots_ptr, kn_stride_t, kn_stride_h, vn_stride_t,
+                         vn_stride_h,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          DIM_PAD: tl.constexpr, TILE_TOKENS: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         PRECISION: tl.constexpr, STORE_KV: tl.constexpr):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -43,6 +45,14 @@ def _paged_decode_kernel(out_ptr, q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, sc
     t = tl.arange(0, TILE_TOKENS)
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
+    if STORE_KV:  # this head's new key and value go to the request's slot first
+        slot = tl.load(slots_ptr + req)
+        dst = cache_ptr + slot * kv_stride_slot + kv_head * kv_stride_head + d
+        k_new = tl.load(k_new_ptr + req * kn_stride_t + kv_head * kn_stride_h + d, mask=d_ok)
+        v_new = tl.load(v_new_ptr + req * vn_stride_t + kv_head * vn_stride_h + d, mask=d_ok)
+        tl.store(dst, k_new.to(cache_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(dst + kv_stride_side, v_new.to(cache_ptr.dtype.element_ty), mask=d_ok)
+        tl.debug_barrier()  # the program's threads read the slot back below
     heads = kv_head * GROUP + g
     # The group's queries as the rows of a matrix product (rows past the group are zero).
     q = tl.load(q_ptr + req * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
@@ -77,12 +87,16 @@ def _paged_decode_kernel(out_ptr, q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, sc
 
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           seq_lens: torch.Tensor, scale: float, key: torch.Tensor | None = None,
+                           value: torch.Tensor | None = None,
+                           slots: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of N single-token queries ([N, heads, d], any strides with a unit last one) to
     their cached contexts; returns [N, heads, d] in the query's dtype.
 
     ``kv_cache`` is common.attention's layout [2, blocks, block_size, kv_heads, d]; request i
     reads ``seq_lens[i]`` tokens through ``block_tables[i]``. Every length must be at least 1.
+    With ``key`` / ``value`` ([N, kv_heads, d]) and ``slots`` ([N]) given, each request's new
+    key and value are stored at its slot first (one launch instead of a separate cache write).
     """
     n, num_heads, head_dim = query.shape
     _, _, block_size, kv_heads, _ = kv_cache.shape
@@ -92,22 +106,33 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         return out
     assert query.stride(2) == 1 and kv_cache.is_contiguous()
     tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    store = key is not None
+    if store:
+        assert value is not None and slots is not None
+        assert key.stride(2) == 1 and value.stride(2) == 1
+    k_new, v_new = (key, value) if store else (query, query)
     _paged_decode_kernel[(n, kv_heads)](
         out, query, kv_cache, tables, seq_lens, scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         tables.stride(0), block_size,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        k_new, v_new, slots if store else seq_lens, k_new.stride(0), k_new.stride(1),
+        v_new.stride(0), v_new.stride(1),
+        STORE_KV=store, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)), TILE_TOKENS=TILE,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=4)
     return out
 
 
 def _decode(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-            scale: float) -> torch.Tensor:
+            scale: float, key: torch.Tensor | None = None,
+            value: torch.Tensor | None = None) -> torch.Tensor:
     n = query.shape[0]
     return paged_decode_attention(query, kv_cache, meta.block_tables[:n], meta.seq_lens[:n],
-                                  scale)
+                                  scale, key, value, meta.slot_mapping[:n])
+
+
+_decode.stores_kv = True  # paged_attention_with leaves the decodes' cache writes to it
 
 
 def register() -> None:

@@ -4,9 +4,10 @@ Each elementwise op is one kernel instead of the 3 to 8 eager operators of the t
 RMSNorm (with the residual add folded in, the residual updated in place), RoPE in place on the
 query and key heads (reading the cos|sin table by position, so no per-step table gather), and
 SiLU-and-multiply. The arithmetic is done in float32 and rounded once to the model's dtype.
-Linear layers of decode-sized bf16/fp16 batches use the split-K kernel of ``triton_linear``;
-larger batches and the logits stay on cuBLAS (torch's set). A decode step of a 32-layer model is
-then about 11 launches per layer, which CUDA graphs replay with no host work.
+Linear layers and the logits stay on cuBLAS (torch's set): a split-K Triton product for
+decode-sized batches was measured slower than cuBLAS on an H200 (benchmarks/README.md). A
+decode step of a 32-layer model is then 9 launches per layer, which CUDA graphs replay with no
+host work.
 
 The kernels also run under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors.
 """
@@ -18,7 +19,6 @@ import triton
 import triton.language as tl
 
 from common.models.layer_ops import TORCH_LAYER_OPS, LayerOps
-from executor_gpu import triton_linear
 
 
 @triton.jit
@@ -127,15 +127,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight + bias: split-K Triton for decode-sized bf16/fp16 batches, else cuBLAS."""
-    if triton_linear.supports(x, weight):
-        return triton_linear.split_k_linear(x, weight, bias)
-    return TORCH_LAYER_OPS.linear(x, weight, bias)
-
-
-#: The CUDA set: Triton elementwise kernels and decode-sized linear layers; cuBLAS for larger
-#: batches and the logits.
-CUDA_LAYER_OPS = LayerOps("cuda_fused", TORCH_LAYER_OPS.prepare_linear, linear,
+#: The CUDA set: Triton elementwise kernels; cuBLAS for the linear layers and the logits.
+CUDA_LAYER_OPS = LayerOps("cuda_fused", TORCH_LAYER_OPS.prepare_linear, TORCH_LAYER_OPS.linear,
                           rms_norm, add_rms_norm, rope_for_step, rotary, silu_and_mul,
                           TORCH_LAYER_OPS.prepare_logits, TORCH_LAYER_OPS.logits)

@@ -25,7 +25,6 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # conftest sets it before triton 
 
 from executor_gpu import triton_attention as attn  # noqa: E402
 from executor_gpu import triton_layer_ops as ops  # noqa: E402
-from executor_gpu import triton_linear  # noqa: E402
 
 
 def _meta(lens: list[int], block_size: int, num_blocks: int, seed: int,
@@ -63,6 +62,26 @@ def test_decode_attention_matches_reference(heads, kv_heads, dim, block_size, le
     q = qkv[:, :heads]
     expected = _decode_attention(q, kv, meta, dim ** -0.5)
     got = attn.paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, dim ** -0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_stores_the_new_tokens_first():
+    """With key/value/slots, each request's new key and value land in its slot and are part
+    of its context, as if written before the call."""
+    torch.manual_seed(7)
+    lens = [1, 17, 40]
+    kv = torch.randn(2, 32, 8, 2, 32)
+    meta = _meta(lens, 8, 32, seed=3)
+    slots = torch.tensor([int(meta.block_tables[i, (n - 1) // 8]) * 8 + (n - 1) % 8
+                          for i, n in enumerate(lens)])
+    qkv = torch.randn(3, 4 + 2 + 2, 32)
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    expected_cache = kv.clone()
+    flat = expected_cache.view(2, -1, 2, 32)
+    flat[0, slots], flat[1, slots] = k, v
+    expected = _decode_attention(q, expected_cache, meta, 0.3)
+    got = attn.paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.3, k, v, slots)
+    torch.testing.assert_close(kv, expected_cache, rtol=0, atol=0)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -162,36 +181,3 @@ def test_silu_and_mul_matches_reference(dtype):
         x = (torch.randn(3, 2 * inter) * 4).to(dtype)
         torch.testing.assert_close(ops.silu_and_mul(x), TORCH_LAYER_OPS.silu_and_mul(x), **tol)
 
-
-@pytest.mark.parametrize("rows", [1, 7, 16, 64])
-@pytest.mark.parametrize("k,n,bias", [(256, 128, False), (1024, 192, True), (512, 1280, True)])
-def test_split_k_linear_matches_reference(rows, k, n, bias):
-    """float16 here: the interpreter's matrix product does not convert bfloat16 (the GPU run
-    of benchmarks/gpu_step.py checks bfloat16)."""
-    torch.manual_seed(rows + k)
-    x = torch.randn(rows, k).half()
-    w = (torch.randn(k, n) * 0.05).half()
-    b = torch.randn(n).half() if bias else None
-    assert triton_linear.supports(x, w)
-    got = triton_linear.split_k_linear(x, w, b)
-    ref = x.double() @ w.double() + (b.double() if bias else 0)
-    assert got.dtype == torch.float16 and got.shape == (rows, n)
-    assert float((got.double() - ref).norm() / ref.norm()) < 1e-3
-    # The same call gives the same bits (partial sums added in a fixed order).
-    assert torch.equal(triton_linear.split_k_linear(x, w, b), got)
-
-
-def test_split_k_linear_split_choice_and_fallbacks():
-    cpu = torch.device("cpu")  # the interpreter pretends 132 multiprocessors
-    assert triton_linear.split_for(4096, 28672, cpu) == 1  # 448 column tiles already
-    assert triton_linear.split_for(4096, 6144, cpu) == 4
-    assert triton_linear.split_for(14336, 4096, cpu) == 8
-    assert triton_linear.split_for(384, 64, cpu) == 1  # 384 rows do not split in whole tiles
-    half = torch.zeros(4, 256, dtype=torch.float16)
-    assert not triton_linear.supports(half.float(), torch.zeros(256, 64))  # float32: cuBLAS
-    assert not triton_linear.supports(torch.zeros(65, 256, dtype=torch.float16),
-                                      torch.zeros(256, 64, dtype=torch.float16))
-    assert not triton_linear.supports(half, torch.zeros(256, 96, dtype=torch.float16))
-    # The layer op falls back to torch's product where the kernel does not apply.
-    x, w = torch.randn(3, 40), torch.randn(40, 24)
-    torch.testing.assert_close(ops.linear(x, w, None), x @ w)
