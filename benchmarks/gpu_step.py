@@ -344,7 +344,6 @@ def main(argv=None) -> None:
         section(report, "copy_TBps", lambda: copy_bandwidth(device) / 1e12)
         section(report, "kernel_rel_err", lambda: check_kernels(device))
     section(report, "tiny_vs_hf", lambda: check_tiny_vs_hf(device, smoke))
-    print(json.dumps(report, indent=1), flush=True)
 
     shape = TINY if smoke else LLAMA3_8B
     contexts = [a.context] + ([a.long_context] if a.long_context else [])
