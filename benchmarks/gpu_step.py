@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -316,6 +317,42 @@ def profile_replay(runner: GPUModelRunner, batch: int, context: int) -> list[dic
     return sorted(rows, key=lambda r: -r["us_per_step"])[:16]
 
 
+def graph_time_us(fn, calls: int = 10) -> float:
+    """Microseconds per call of ``fn`` replayed from a CUDA graph of ``calls`` calls (no
+    launch overhead in the figure)."""
+    fn(), fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return event_median_ms(graph.replay, iters=10) * 1e3 / calls
+
+
+def sweep_attention(device: torch.device) -> list[dict]:
+    """The decode attention kernel alone, bf16, Llama-3-8B heads (32 query, 8 KV, 128 wide),
+    over context partitions and tile sizes; achieved KV bandwidth."""
+    from executor_gpu import triton_attention as ta
+
+    rows = []
+    for batch, context in ((64, 256), (64, 1024), (16, 256), (1, 1024)):
+        meta = fabricated_meta(batch, context, device)
+        kv = torch.randn(2, batch * -(-context // BLOCK) + 1, BLOCK, 8, 128,
+                         device=device).to(torch.bfloat16)
+        q = torch.randn(batch, 32, 128, device=device).to(torch.bfloat16)
+        kv_bytes = 2 * batch * context * 8 * 128 * 2
+        picked = ta.partitions_for(batch, 8, device)
+        for parts in (1, 2, 4, 8, 16):
+            for tile in (32, 64, 128):
+                us = graph_time_us(functools.partial(
+                    ta.paged_decode_attention, q, kv, meta.block_tables, meta.seq_lens, 0.088,
+                    parts=parts, tile=tile))
+                rows.append({"batch": batch, "context": context, "parts": parts, "tile": tile,
+                             "us": us, "TBps": kv_bytes / us / 1e6, "picked": parts == picked})
+        del kv
+    return rows
+
+
 def section(report: dict, key: str, fn) -> None:
     """report[key] = fn(), or the error it raised (one failing check does not end the run)."""
     started = time.perf_counter()
@@ -343,6 +380,7 @@ def main(argv=None) -> None:
     if not smoke:
         section(report, "copy_TBps", lambda: copy_bandwidth(device) / 1e12)
         section(report, "kernel_rel_err", lambda: check_kernels(device))
+        section(report, "attention_sweep", lambda: sweep_attention(device))
     section(report, "tiny_vs_hf", lambda: check_tiny_vs_hf(device, smoke))
 
     shape = TINY if smoke else LLAMA3_8B
@@ -374,7 +412,7 @@ def main(argv=None) -> None:
     if not smoke:  # the same graphs over cuBLASLt's GEMM heuristics
         section(report, "forward_cublaslt", lambda: rows.extend(recaptured_rows(
             runner, batches, a.context, "graph_lt", blas="cublaslt")) or len(rows))
-        runner.enable_decode_graphs()
+        section(report, "recaptured", runner.enable_decode_graphs)
     section(report, "executor_step_ms",
             lambda: time_executor_step(runner, max(batches), a.context, 12) * 1e3)
     if not smoke:  # last: this one re-lays the weights out
@@ -399,6 +437,11 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"{r['batch']:>5} {r['context']:>5} {r['variant']:>7} {r['ms']:>8.2f} "
               f"{r['over_bound']:>8.2f} {r['kv_bytes'] / 1e9:>6.2f}")
+    sweep = report.get("attention_sweep")
+    for r in sweep if isinstance(sweep, list) else []:
+        print(f"attention b={r['batch']:>2} ctx={r['context']:>4} parts={r['parts']:>2} "
+              f"tile={r['tile']:>3}: {r['us']:7.1f} us {r['TBps']:5.2f} TB/s"
+              f"{' (picked)' if r['picked'] and r['tile'] == 64 else ''}")
     for r in report.get("profile") if isinstance(report.get("profile"), list) else []:
         print(f"{r['us_per_step']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
     print(f"executor step (execute_model), batch {max(batches)}, ctx {a.context}: "

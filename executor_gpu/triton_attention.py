@@ -15,6 +15,8 @@ how the tests check it on machines without a GPU.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +27,9 @@ BACKEND_NAME = "triton_paged"
 #: Context tokens one loop iteration reads (a power of two, at least 16; the block size need not
 #: divide it).
 TILE = 64
+#: Programs per multiprocessor the context partitions aim at, and the most partitions.
+PROGRAMS_PER_SM = 8
+MAX_PARTS = 16
 
 
 @triton.jit
@@ -33,27 +38,35 @@ def _paged_decode_kernel(out_ptr, q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, sc
                          kv_stride_side, kv_stride_block, kv_stride_slot, kv_stride_head,
                          table_stride, block_size,
                          k_new_ptr, v_new_ptr, slots_ptr, kn_stride_t, kn_stride_h, vn_stride_t,
-                         vn_stride_h,
+                         vn_stride_h, part_m_ptr, part_l_ptr, part_acc_ptr, num_heads,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          DIM_PAD: tl.constexpr, TILE_TOKENS: tl.constexpr,
-                         PRECISION: tl.constexpr, STORE_KV: tl.constexpr):
+                         PRECISION: tl.constexpr, STORE_KV: tl.constexpr, PARTS: tl.constexpr):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
+    part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
     t = tl.arange(0, TILE_TOKENS)
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
-    if STORE_KV:  # this head's new key and value go to the request's slot first
-        slot = tl.load(slots_ptr + req)
-        dst = cache_ptr + slot * kv_stride_slot + kv_head * kv_stride_head + d
-        k_new = tl.load(k_new_ptr + req * kn_stride_t + kv_head * kn_stride_h + d, mask=d_ok)
-        v_new = tl.load(v_new_ptr + req * vn_stride_t + kv_head * vn_stride_h + d, mask=d_ok)
-        tl.store(dst, k_new.to(cache_ptr.dtype.element_ty), mask=d_ok)
-        tl.store(dst + kv_stride_side, v_new.to(cache_ptr.dtype.element_ty), mask=d_ok)
-        tl.debug_barrier()  # the program's threads read the slot back below
     heads = kv_head * GROUP + g
+    # This program's share of the context: whole tiles, the same count for every partition.
+    tiles = (seq_len + TILE_TOKENS - 1) // TILE_TOKENS
+    start = ((tiles + PARTS - 1) // PARTS) * TILE_TOKENS * part
+    end = tl.minimum(start + ((tiles + PARTS - 1) // PARTS) * TILE_TOKENS, seq_len)
+    if STORE_KV:  # the new key and value go to their slot first, by the program that reads it
+        if (seq_len - 1 >= start) & (seq_len - 1 < end):
+            new_slot = tl.load(slots_ptr + req)
+            dst = cache_ptr + new_slot * kv_stride_slot + kv_head * kv_stride_head + d
+            k_new = tl.load(k_new_ptr + req * kn_stride_t + kv_head * kn_stride_h + d,
+                            mask=d_ok)
+            v_new = tl.load(v_new_ptr + req * vn_stride_t + kv_head * vn_stride_h + d,
+                            mask=d_ok)
+            tl.store(dst, k_new.to(cache_ptr.dtype.element_ty), mask=d_ok)
+            tl.store(dst + kv_stride_side, v_new.to(cache_ptr.dtype.element_ty), mask=d_ok)
+            tl.debug_barrier()  # the program's threads read the slot back below
     # The group's queries as the rows of a matrix product (rows past the group are zero).
     q = tl.load(q_ptr + req * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
@@ -62,10 +75,9 @@ def _paged_decode_kernel(out_ptr, q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, sc
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)  # running weighted sum of values
     table = tables_ptr + req * table_stride
     head_base = cache_ptr + kv_head * kv_stride_head
-    start = seq_len * 0
-    while start < seq_len:  # (a while loop: Triton's interpreter cannot range over a tensor)
+    while start < end:  # (a while loop: Triton's interpreter cannot range over a tensor)
         pos = start + t
-        ok = pos < seq_len
+        ok = pos < end
         block = tl.load(table + pos // block_size, mask=ok, other=0)
         slot = block.to(tl.int64) * kv_stride_block + (pos % block_size) * kv_stride_slot
         offs = slot[:, None] + d[None, :]
@@ -81,15 +93,57 @@ def _paged_decode_kernel(out_ptr, q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, sc
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
         start += TILE_TOKENS
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + req * out_stride_t + heads[:, None] * out_stride_h + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    mask = g_ok[:, None] & d_ok[None, :]
+    if PARTS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + req * out_stride_t + heads[:, None] * out_stride_h + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:  # unnormalized partials; an empty partition leaves m = -inf, l = 0, acc = 0
+        row = (req * num_heads + heads) * PARTS + part
+        tl.store(part_m_ptr + row, m_i, mask=g_ok)
+        tl.store(part_l_ptr + row, l_i, mask=g_ok)
+        tl.store(part_acc_ptr + row[:, None] * DIM_PAD + d[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _combine_parts_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_stride_t,
+                          out_stride_h, num_heads, HEAD_DIM: tl.constexpr,
+                          DIM_PAD: tl.constexpr, PARTS: tl.constexpr):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    r = (req * num_heads + head) * PARTS + tl.arange(0, PARTS)
+    d = tl.arange(0, DIM_PAD)
+    m = tl.load(part_m_ptr + r)
+    weight = tl.exp(m - tl.max(m, axis=0))  # 0 for empty partitions
+    total = tl.sum(weight * tl.load(part_l_ptr + r), axis=0)
+    acc = tl.load(part_acc_ptr + r[:, None] * DIM_PAD + d[None, :])
+    out = tl.sum(weight[:, None] * acc, axis=0) / total
+    tl.store(out_ptr + req * out_stride_t + head * out_stride_h + d,
+             out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # (Triton's interpreter on the CPU: an H200's count)
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def partitions_for(num_requests: int, kv_heads: int, device: torch.device) -> int:
+    """Context partitions per (request, KV head): enough programs for PROGRAMS_PER_SM on every
+    multiprocessor, a power of two up to MAX_PARTS (fixed by the batch shape, so the choice is
+    the same inside a captured graph)."""
+    want = PROGRAMS_PER_SM * _multiprocessors(device)
+    parts = 1
+    while num_requests * kv_heads * parts < want and parts < MAX_PARTS:
+        parts *= 2
+    return parts
 
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, key: torch.Tensor | None = None,
-                           value: torch.Tensor | None = None,
-                           slots: torch.Tensor | None = None) -> torch.Tensor:
+                           value: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                           parts: int = 0, tile: int = 0) -> torch.Tensor:
     """Attention of N single-token queries ([N, heads, d], any strides with a unit last one) to
     their cached contexts; returns [N, heads, d] in the query's dtype.
 
@@ -97,6 +151,8 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     reads ``seq_lens[i]`` tokens through ``block_tables[i]``. Every length must be at least 1.
     With ``key`` / ``value`` ([N, kv_heads, d]) and ``slots`` ([N]) given, each request's new
     key and value are stored at its slot first (one launch instead of a separate cache write).
+    ``parts`` (a power of two; 0 = ``partitions_for``) splits each context across programs
+    whose partial softmax sums a second kernel combines; ``tile`` overrides TILE.
     """
     n, num_heads, head_dim = query.shape
     _, _, block_size, kv_heads, _ = kv_cache.shape
@@ -111,16 +167,30 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         assert value is not None and slots is not None
         assert key.stride(2) == 1 and value.stride(2) == 1
     k_new, v_new = (key, value) if store else (query, query)
-    _paged_decode_kernel[(n, kv_heads)](
+    parts = parts or partitions_for(n, kv_heads, query.device)
+    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    if parts > 1:
+        part_m = torch.empty(n * num_heads * parts, dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(n * num_heads * parts, dim_pad, dtype=torch.float32,
+                               device=query.device)
+    else:
+        part_m = part_l = part_acc = out  # (unused)
+    _paged_decode_kernel[(n, kv_heads, parts)](
         out, query, kv_cache, tables, seq_lens, scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         tables.stride(0), block_size,
         k_new, v_new, slots if store else seq_lens, k_new.stride(0), k_new.stride(1),
-        v_new.stride(0), v_new.stride(1),
-        STORE_KV=store, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        DIM_PAD=max(16, triton.next_power_of_2(head_dim)), TILE_TOKENS=TILE,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", num_warps=4)
+        v_new.stride(0), v_new.stride(1), part_m, part_l, part_acc, num_heads,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        DIM_PAD=dim_pad, TILE_TOKENS=tile or TILE,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", STORE_KV=store,
+        PARTS=parts, num_warps=4)
+    if parts > 1:
+        _combine_parts_kernel[(n, num_heads)](
+            out, part_m, part_l, part_acc, out.stride(0), out.stride(1), num_heads,
+            HEAD_DIM=head_dim, DIM_PAD=dim_pad, PARTS=parts, num_warps=4)
     return out
 
 

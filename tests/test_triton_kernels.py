@@ -61,8 +61,10 @@ def test_decode_attention_matches_reference(heads, kv_heads, dim, block_size, le
     qkv = torch.randn(len(lens), heads + 2 * kv_heads, dim)
     q = qkv[:, :heads]
     expected = _decode_attention(q, kv, meta, dim ** -0.5)
-    got = attn.paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, dim ** -0.5)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for parts in (0, 1, 4):  # as chosen for the batch (up to 16 here), one, four partitions
+        got = attn.paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, dim ** -0.5,
+                                          parts=parts)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_decode_attention_stores_the_new_tokens_first():
@@ -80,9 +82,19 @@ def test_decode_attention_stores_the_new_tokens_first():
     flat = expected_cache.view(2, -1, 2, 32)
     flat[0, slots], flat[1, slots] = k, v
     expected = _decode_attention(q, expected_cache, meta, 0.3)
-    got = attn.paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.3, k, v, slots)
-    torch.testing.assert_close(kv, expected_cache, rtol=0, atol=0)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for parts in (1, 2, 8):  # the new token is in the last partition that has any
+        cache = kv.clone()
+        got = attn.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, 0.3, k, v,
+                                          slots, parts=parts)
+        torch.testing.assert_close(cache, expected_cache, rtol=0, atol=0)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_partitions_for_batch_shapes():
+    cpu = torch.device("cpu")  # the interpreter counts an H200's 132 multiprocessors
+    assert attn.partitions_for(64, 8, cpu) == 4  # 512 programs -> 2048 >= 8 * 132
+    assert attn.partitions_for(1, 8, cpu) == attn.MAX_PARTS
+    assert attn.partitions_for(512, 8, cpu) == 1
 
 
 def test_decode_attention_ignores_unread_slots():
@@ -181,3 +193,17 @@ def test_silu_and_mul_matches_reference(dtype):
         x = (torch.randn(3, 2 * inter) * 4).to(dtype)
         torch.testing.assert_close(ops.silu_and_mul(x), TORCH_LAYER_OPS.silu_and_mul(x), **tol)
 
+
+
+def test_kernels_compile_for_sm90():
+    """The compiler's own checks (types of loop-carried values, layouts), which the interpreter
+    skips: every kernel is compiled to a Hopper cubin in a separate process."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    script = os.path.join(os.path.dirname(__file__), "triton_compile_check.py")
+    run = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "all kernels compiled" in run.stdout

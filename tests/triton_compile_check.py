@@ -1,0 +1,67 @@
+"""Compile every Triton kernel of executor_gpu for an H100/H200 (sm_90) without a GPU.
+
+Triton's interpreter (tests/test_triton_kernels.py) checks what the kernels compute, but not
+that the compiler accepts them: type rules such as "a loop-carried variable keeps its type" are
+only enforced when compiling. Compilation down to a cubin needs no GPU, only Triton's bundled
+toolchain, so this runs anywhere. Run as a script (the test process interprets kernels):
+
+    TRITON_INTERPRET=0 python tests/triton_compile_check.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from executor_gpu import triton_attention, triton_layer_ops  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _compile(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4) -> None:
+    """Compile ``kernel`` with every argument typed: ``types`` names pointer and float args
+    (the rest are i32 scalars or constexprs)."""
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = types.get(name, "i32")
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+
+
+def main() -> None:
+    for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
+        ptrs = {n: f"*{dtype}" for n in ("out_ptr", "q_ptr", "cache_ptr", "k_new_ptr",
+                                          "v_new_ptr")}
+        ptrs.update(tables_ptr="*i64", seq_lens_ptr="*i64", slots_ptr="*i64", scale="fp32",
+                    part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32")
+        for store, parts in ((False, 1), (True, 1), (True, 4)):
+            _compile(triton_attention._paged_decode_kernel, ptrs, dict(
+                GROUP=4, GROUP_PAD=16, HEAD_DIM=128, DIM_PAD=128,
+                TILE_TOKENS=triton_attention.TILE, PRECISION=precision, STORE_KV=store,
+                PARTS=parts))
+        _compile(triton_attention._combine_parts_kernel,
+                 {"out_ptr": f"*{dtype}", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+                  "part_acc_ptr": "*fp32"}, dict(HEAD_DIM=128, DIM_PAD=128, PARTS=4))
+        for residual in (False, True):
+            _compile(triton_layer_ops._rms_norm_kernel,
+                     {n: f"*{dtype}" for n in ("out_ptr", "x_ptr", "res_ptr", "w_ptr")}
+                     | {"eps": "fp32"}, dict(HAS_RESIDUAL=residual, BLOCK=4096), num_warps=16)
+        _compile(triton_layer_ops._rotary_kernel,
+                 {"x_ptr": f"*{dtype}", "table_ptr": "*fp32", "pos_ptr": "*i64"},
+                 dict(HALF=64, HALF_PAD=64, HEADS_PAD=64))
+        _compile(triton_layer_ops._silu_and_mul_kernel,
+                 {"out_ptr": f"*{dtype}", "x_ptr": f"*{dtype}"}, dict(BLOCK=1024))
+    print("all kernels compiled for sm_90")
+
+
+if __name__ == "__main__":
+    main()
