@@ -329,9 +329,10 @@ def graph_time_us(fn, calls: int = 10) -> float:
     return event_median_ms(graph.replay, iters=10) * 1e3 / calls
 
 
-def sweep_attention(device: torch.device) -> list[dict]:
+def sweep_attention(device: torch.device, full: bool) -> list[dict]:
     """The decode attention kernel alone, bf16, Llama-3-8B heads (32 query, 8 KV, 128 wide),
-    over context partitions and tile sizes; achieved KV bandwidth."""
+    at its own choice and one partition (``full``: every partition count and tile size);
+    achieved KV bandwidth."""
     from executor_gpu import triton_attention as ta
 
     rows = []
@@ -342,13 +343,15 @@ def sweep_attention(device: torch.device) -> list[dict]:
         q = torch.randn(batch, 32, 128, device=device).to(torch.bfloat16)
         kv_bytes = 2 * batch * context * 8 * 128 * 2
         picked = ta.partitions_for(batch, 8, device)
-        for parts in (1, 2, 4, 8, 16):
-            for tile in (32, 64, 128):
+        grid = [(p, t) for p in (1, 2, 4, 8, 16) for t in (32, 64, 128)] if full else [
+            (1, ta.TILE), (picked, ta.TILE)]
+        for parts, tile in dict.fromkeys(grid):
                 us = graph_time_us(functools.partial(
                     ta.paged_decode_attention, q, kv, meta.block_tables, meta.seq_lens, 0.088,
                     parts=parts, tile=tile))
                 rows.append({"batch": batch, "context": context, "parts": parts, "tile": tile,
-                             "us": us, "TBps": kv_bytes / us / 1e6, "picked": parts == picked})
+                             "us": us, "TBps": kv_bytes / us / 1e6,
+                             "picked": parts == picked and tile == ta.TILE})
         del kv
     return rows
 
@@ -370,6 +373,9 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, default=256, help="cached tokens per request")
     p.add_argument("--long-context", type=int, default=1024, help="also at batch max; 0 = off")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, no graphs")
+    p.add_argument("--sweep", action="store_true",
+                   help="also: attention over every partition count and tile; graphs with "
+                        "cuBLASLt and with [out, in] weights")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     smoke = a.smoke or not torch.cuda.is_available()
@@ -380,7 +386,7 @@ def main(argv=None) -> None:
     if not smoke:
         section(report, "copy_TBps", lambda: copy_bandwidth(device) / 1e12)
         section(report, "kernel_rel_err", lambda: check_kernels(device))
-        section(report, "attention_sweep", lambda: sweep_attention(device))
+        section(report, "attention_sweep", lambda: sweep_attention(device, a.sweep))
     section(report, "tiny_vs_hf", lambda: check_tiny_vs_hf(device, smoke))
 
     shape = TINY if smoke else LLAMA3_8B
@@ -409,13 +415,13 @@ def main(argv=None) -> None:
             time_forward(runner, [max(batches)], a.long_context)) or len(rows))
     if not smoke:
         section(report, "profile", lambda: profile_replay(runner, max(batches), a.context))
-    if not smoke:  # the same graphs over cuBLASLt's GEMM heuristics
+    if not smoke and a.sweep:  # the same graphs over cuBLASLt's GEMM heuristics
         section(report, "forward_cublaslt", lambda: rows.extend(recaptured_rows(
             runner, batches, a.context, "graph_lt", blas="cublaslt")) or len(rows))
         section(report, "recaptured", runner.enable_decode_graphs)
     section(report, "executor_step_ms",
             lambda: time_executor_step(runner, max(batches), a.context, 12) * 1e3)
-    if not smoke:  # last: this one re-lays the weights out
+    if not smoke and a.sweep:  # last: this one re-lays the weights out
         section(report, "forward_out_in", lambda: rows.extend(recaptured_rows(
             runner, batches, a.context, "graph_oi", ops=out_in_ops(runner.fused_ops)))
             or len(rows))
@@ -441,7 +447,7 @@ def main(argv=None) -> None:
     for r in sweep if isinstance(sweep, list) else []:
         print(f"attention b={r['batch']:>2} ctx={r['context']:>4} parts={r['parts']:>2} "
               f"tile={r['tile']:>3}: {r['us']:7.1f} us {r['TBps']:5.2f} TB/s"
-              f"{' (picked)' if r['picked'] and r['tile'] == 64 else ''}")
+              f"{' (picked)' if r['picked'] else ''}")
     for r in report.get("profile") if isinstance(report.get("profile"), list) else []:
         print(f"{r['us_per_step']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
     print(f"executor step (execute_model), batch {max(batches)}, ctx {a.context}: "

@@ -43,14 +43,14 @@ def main() -> None:
                                           "v_new_ptr")}
         ptrs.update(tables_ptr="*i64", seq_lens_ptr="*i64", slots_ptr="*i64", scale="fp32",
                     part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32")
-        for store, parts in ((False, 1), (True, 1), (True, 4)):
+        for store, parts in ((False, 1), (True, 1), (True, 8)):
             _compile(triton_attention._paged_decode_kernel, ptrs, dict(
                 GROUP=4, GROUP_PAD=16, HEAD_DIM=128, DIM_PAD=128,
                 TILE_TOKENS=triton_attention.TILE, PRECISION=precision, STORE_KV=store,
                 PARTS=parts))
         _compile(triton_attention._combine_parts_kernel,
                  {"out_ptr": f"*{dtype}", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
-                  "part_acc_ptr": "*fp32"}, dict(HEAD_DIM=128, DIM_PAD=128, PARTS=4))
+                  "part_acc_ptr": "*fp32"}, dict(HEAD_DIM=128, DIM_PAD=128, PARTS=8))
         for residual in (False, True):
             _compile(triton_layer_ops._rms_norm_kernel,
                      {n: f"*{dtype}" for n in ("out_ptr", "x_ptr", "res_ptr", "w_ptr")}
