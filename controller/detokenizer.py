@@ -191,9 +191,10 @@ class OutputTextState:
     """The text of one request's output: detokenization, stop strings and streaming hold-back.
 
     `update` is called once per step with the step's new token ids and returns the text delta to
-    stream and whether a stop string matched (the engine then finishes the request). `text` is
-    always the concatenation of the deltas returned so far; it is final once `update` has been
-    called with `finished=True` or has reported a stop.
+    stream and whether a stop string matched (the engine then finishes the request). With
+    `defer` (a non-streamed request) and no stop strings, all the text comes with the last call.
+    `text` is always the concatenation of the deltas returned so far; it is final once `update`
+    has been called with `finished=True` or has reported a stop.
     """
 
     def __init__(
@@ -203,10 +204,16 @@ class OutputTextState:
         stop: Sequence[str] | None = None,
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
+        defer: bool = False,
     ) -> None:
         # `prompt_ids` is accepted for callers' convenience but not needed: the output text is
         # defined as decode(output ids), which no prompt context may change.
         del prompt_ids
+        # Nobody reads the text before the end and no stop string can end it early: decode once,
+        # when the request finishes, instead of a window per step (the same text, by the
+        # incremental decoder's contract).
+        self._defer = defer and not any(stop or ())
+        self._deferred_ids: list[int] = []  # ids held back while deferring
         self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)  # ids -> text
         # Cleanup of spaces before punctuation, for the (word-piece) models that ask for it.
         self._cleanup = _SpaceCleanupStream() if tokenizer.clean_up_tokenization_spaces else None
@@ -227,7 +234,7 @@ class OutputTextState:
     @property
     def output_token_ids(self) -> list[int]:
         """The output token ids given so far."""
-        return self._detokenizer.token_ids
+        return self._detokenizer.token_ids + self._deferred_ids
 
     @property
     def text(self) -> str:
@@ -244,6 +251,11 @@ class OutputTextState:
         """
         if self.finished:
             return "", self.stopped
+        if self._defer:
+            self._deferred_ids.extend(new_token_ids)
+            if not finished:
+                return "", False
+            new_token_ids, self._deferred_ids = self._deferred_ids, []
         delta = self._detokenizer.step(new_token_ids, finished)
         if self._cleanup is not None:
             delta = self._cleanup.feed(delta, finished)

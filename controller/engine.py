@@ -221,7 +221,7 @@ class Engine:
             text=OutputTextState(
                 self.tokenizer, gen.prompt_token_ids, stop=gen.stop,
                 include_stop_str_in_output=gen.include_stop_str_in_output,
-                skip_special_tokens=gen.skip_special_tokens,
+                skip_special_tokens=gen.skip_special_tokens, defer=not gen.stream,
             ),
             request=None,
             arrival=time.perf_counter(),

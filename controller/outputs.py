@@ -22,6 +22,7 @@ class GenerationRequest:
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     skip_special_tokens: bool = True  # leave special tokens out of the text
     priority: int = 0  # lower = more urgent (priority scheduling only)
+    stream: bool = True  # hand over every step's delta; False: the first, then one at the end
 
 
 @dataclass
@@ -39,3 +40,20 @@ class OutputDelta:
     num_output_tokens: int = 0  # tokens generated so far
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str = ""  # why the request failed, when finish_reason is "error"
+
+
+def merge_deltas(deltas: list[OutputDelta]) -> OutputDelta:
+    """One delta saying what ``deltas`` said in order (counts and status from the last)."""
+    last = deltas[-1]
+
+    def joined(field: str) -> list | None:
+        parts = [getattr(d, field) for d in deltas]
+        return None if all(p is None for p in parts) else [x for p in parts for x in p or ()]
+
+    return OutputDelta(
+        request_id=last.request_id, text="".join(d.text for d in deltas),
+        token_ids=[t for d in deltas for t in d.token_ids], logprobs=joined("logprobs"),
+        prompt_logprobs=joined("prompt_logprobs"), finished=last.finished,
+        finish_reason=last.finish_reason, num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens, num_cached_tokens=last.num_cached_tokens,
+        error=last.error)

@@ -31,7 +31,7 @@ from controller.scheduler import (
     SchedulerConfig,
     load_scheduler_class,
 )
-from controller.tracked import Tracked, make_delta
+from controller.tracked import Tracked, deliver, make_delta
 
 if TYPE_CHECKING:
     from common.step_types import StepInput
@@ -404,7 +404,7 @@ class ExecutorRunner:
             if tracked.lost_at:
                 metrics.failover_resumed(self, now - tracked.lost_at)
                 tracked.lost_at = 0.0
-        tracked.queue.put_nowait(delta)
+        deliver(tracked, delta)
         if delta.finished:
             self._detach(tracked)
             self.engine.request_done(tracked, delta.finish_reason, self, now)

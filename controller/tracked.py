@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from controller.detokenizer import OutputTextState
-from controller.outputs import GenerationRequest, OutputDelta
+from controller.outputs import GenerationRequest, OutputDelta, merge_deltas
 from controller.request import Request
 from controller.scheduler import RequestUpdate
 
@@ -39,6 +39,9 @@ class Tracked:
     lost_at: float = 0.0  # perf_counter when its executor was lost; 0 once resumed
     waiting_since: float = 0.0  # monotonic time it started waiting for an executor
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache where it started
+    delivered: bool = False  # a delta went to the API handler already
+    held: list[OutputDelta] = field(default_factory=list)  # deltas of a non-streamed request
+    # not handed over yet
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -77,3 +80,18 @@ def make_delta(tracked: Tracked, update: RequestUpdate) -> OutputDelta:
         num_cached_tokens=tracked.num_cached_tokens,
         error=update.error or "",
     )
+
+
+def deliver(tracked: Tracked, delta: OutputDelta) -> None:
+    """Hand a delta to the API handler. A streamed request gets every step's; a non-streamed
+    one gets its first (which ends its queued time) and then one merged delta when it ends, so
+    that its handler wakes twice instead of once per token."""
+    if tracked.gen.stream or not tracked.delivered or delta.finished:
+        if tracked.held:
+            tracked.held.append(delta)
+            delta = merge_deltas(tracked.held)
+            tracked.held = []
+        tracked.delivered = True
+        tracked.queue.put_nowait(delta)
+    else:
+        tracked.held.append(delta)

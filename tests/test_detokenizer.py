@@ -337,6 +337,28 @@ def test_output_state_random_streams(tok: Tokenizer) -> None:
         assert (streamed, state.matched_stop) == (expected, matched) and state.text == streamed
 
 
+def test_deferred_text_equals_streamed_text(tok: Tokenizer) -> None:
+    """A non-streamed request's text is decoded once at the end: nothing before, then exactly
+    the streamed text; with stop strings it is not deferred (they must end it early)."""
+    rng = random.Random(5)
+    base = tok.encode(MULTIBYTE_TEXT + " the end. the END.", add_special_tokens=False)
+    for _ in range(50):
+        ids = base[rng.randrange(len(base)) :]
+        chunks = _chunks(ids, rng, 3)
+        streamed = OutputTextState(tok, [])
+        deferred = OutputTextState(tok, [], defer=True)
+        text = ""
+        for n, chunk in enumerate(chunks):
+            last = n == len(chunks) - 1
+            text += streamed.update(chunk, finished=last)[0]
+            delta, stopped = deferred.update(chunk, finished=last)
+            assert not stopped and (delta == "" or last)
+        assert deferred.text == text == tok.decode(ids)
+        assert deferred.output_token_ids == ids
+    state = OutputTextState(tok, [], stop=["END"], defer=True)
+    assert state.update(tok.encode("the END", add_special_tokens=False)) == ("the ", True)
+
+
 def test_output_state_with_cleanup(tmp_path: Path) -> None:
     from tokenizers import Tokenizer as Backend
     from tokenizers import decoders, models, pre_tokenizers

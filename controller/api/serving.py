@@ -187,6 +187,7 @@ class OpenAIServing:
                     include_stop_str_in_output=req.include_stop_str_in_output,
                     skip_special_tokens=req.skip_special_tokens,
                     priority=req.priority,
+                    stream=bool(req.stream),
                 ))
         return gens
 
