@@ -175,7 +175,7 @@ def controller_args(a: argparse.Namespace, ports: list[int], running: int) -> li
             "--log-level", "WARNING"]
     for port in ports:
         args += ["--executor", f"127.0.0.1:{port}"]
-    return args
+    return args + a.controller_args.split()
 
 
 def run_point(a: argparse.Namespace, tmp: str, ports: list[int], metric_ports: list[int],
@@ -292,6 +292,8 @@ def main(argv=None) -> None:
     p.add_argument("--step-per-token-us", type=float, default=20.0, help="sim: us per token")
     p.add_argument("--step-per-request-us", type=float, default=0.0, help="sim: us per request")
     p.add_argument("--log-dir", default="", help="keep process logs here (default: temporary)")
+    p.add_argument("--controller-args", default="",
+                   help="extra controller flags, e.g. '--pipeline-depth 3'")
     p.add_argument("--json", default="", help="write the results here")
     a = p.parse_args(argv)
     vocab = load_model_geometry(a.model).vocab_size

@@ -9,14 +9,17 @@ ends it with ABORTED, so two controllers never drive the device at once.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 
 from common import convert
 from common.pb import executor_pb2 as pb
 from common.pb import executor_pb2_grpc as pb_grpc
+from common.step_types import StepInput
 from common.worker_base import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -114,8 +117,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             log.info("session %d: step stream %d closed", session, stream)
 
     def _steps(self, request_iterator, context, session: int, stream: int):
-        for request in request_iterator:
-            step = convert.step_from_pb(request)
+        for step in _decoded_ahead(request_iterator):
             started = time.perf_counter()
             with self._lock:
                 replaced = self._replaced(session, stream)
@@ -130,3 +132,33 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             if not output.device_seconds:
                 output.device_seconds = time.perf_counter() - started
             yield convert.result_to_pb(output)
+
+
+_END = object()
+
+
+def _decoded_ahead(requests) -> Iterator[StepInput]:
+    """The stream's steps, read and converted from protobuf on a reader thread, so that a step
+    the controller sent ahead (pipelined) is ready when the one running ends: its decoding
+    overlaps the device's work instead of following it. An error reading the stream (it was
+    cancelled) is raised here, in order. The queue is unbounded: the controller bounds the steps
+    in flight."""
+    ready: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read() -> None:
+        try:
+            for request in requests:
+                ready.put(convert.step_from_pb(request))
+        except Exception as exc:  # the stream broke: surfaced to the step loop
+            ready.put(exc)
+        finally:
+            ready.put(_END)
+
+    threading.Thread(target=read, name="step-reader", daemon=True).start()
+    while True:
+        item = ready.get()
+        if item is _END:
+            return
+        if isinstance(item, Exception):
+            raise item
+        yield item

@@ -16,14 +16,12 @@ Counters live in prometheus_client's default registry, which ``--metrics-port`` 
 
 from __future__ import annotations
 
-import threading
-
 from prometheus_client import Counter, Gauge, disable_created_metrics
 
 from common import convert
 
 _PREFIX = "tandem_sim:"
-_probe = threading.local()  # the size of the StepRequest this thread decoded last
+_sizes: dict[int, int] = {}  # step id -> its StepRequest size, until the step runs
 _shared: SimMetrics | None = None  # the process's counters, created on first use
 
 
@@ -64,23 +62,22 @@ def install_step_size_probe() -> None:
 
     The servicer turns each incoming message into a StepInput with ``convert.step_from_pb``
     (looked up at call time); wrapping it here measures the exact wire size without touching
-    the servicer. Decoding and executing a step happen on the same thread, so the size is
-    kept per thread and read back by ``take_step_bytes``.
+    the servicer. Steps are decoded ahead on a reader thread, so sizes are kept by step id and
+    read back by ``take_step_bytes`` when the step runs.
     """
     original = convert.step_from_pb
     if getattr(original, "sim_probe", False):
         return
 
     def probed(message):
-        _probe.size = message.ByteSize()
-        return original(message)
+        step = original(message)
+        _sizes[step.step_id] = message.ByteSize()
+        return step
 
     probed.sim_probe = True  # type: ignore[attr-defined]
     convert.step_from_pb = probed
 
 
-def take_step_bytes() -> int:
-    """The size of the StepRequest this thread decoded last (0 if none), then forget it."""
-    size = getattr(_probe, "size", 0)
-    _probe.size = 0
-    return size
+def take_step_bytes(step_id: int) -> int:
+    """The size of step ``step_id``'s StepRequest (0 if not recorded), then forget it."""
+    return _sizes.pop(step_id, 0)

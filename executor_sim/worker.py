@@ -87,7 +87,7 @@ class SimWorker(WorkerBase):
             time.sleep(remaining)
         busy = time.perf_counter() - started
         output.device_seconds = busy
-        self._count(shape, busy, modeled, take_step_bytes())
+        self._count(shape, busy, modeled, take_step_bytes(step.step_id))
         return output
 
     def _count(self, shape, busy: float, modeled: float, size: int) -> None:
