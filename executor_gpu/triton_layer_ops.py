@@ -70,31 +70,28 @@ def _silu_and_mul_kernel(out_ptr, x_ptr, inter, x_stride, out_stride, BLOCK: tl.
     tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _norm_warps(block: int) -> int:
-    return max(1, min(16, block // 256))
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+          eps: float) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        block = triton.next_power_of_2(x.shape[1])
+        res = x if residual is None else residual
+        _rms_norm_kernel[(x.shape[0],)](out, x, res, weight, x.shape[1], eps, x.stride(0),
+                                        res.stride(0), out.stride(0),
+                                        HAS_RESIDUAL=residual is not None, BLOCK=block,
+                                        num_warps=max(1, min(16, block // 256)))
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm(x) * weight over the last axis of x [T, H] (unit last stride)."""
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.shape[0]:
-        block = triton.next_power_of_2(x.shape[1])
-        _rms_norm_kernel[(x.shape[0],)](out, x, x, weight, x.shape[1], eps, x.stride(0),
-                                        x.stride(0), out.stride(0), HAS_RESIDUAL=False,
-                                        BLOCK=block, num_warps=_norm_warps(block))
-    return out
+    return _norm(x, None, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """RMSNorm(residual + x) * weight; residual becomes residual + x in place."""
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.shape[0]:
-        block = triton.next_power_of_2(x.shape[1])
-        _rms_norm_kernel[(x.shape[0],)](out, x, residual, weight, x.shape[1], eps, x.stride(0),
-                                        residual.stride(0), out.stride(0), HAS_RESIDUAL=True,
-                                        BLOCK=block, num_warps=_norm_warps(block))
-    return out
+    return _norm(x, residual, weight, eps)
 
 
 def rope_for_step(table: torch.Tensor, positions: torch.Tensor,

@@ -5,31 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.attention import AttentionMetadata, _decode_attention, torch_paged_attention
+from common.attention import _decode_attention, torch_paged_attention
 from executor_gpu import cpu_attention
 from executor_gpu.cpu_kernels import load_kernels
+from tests.paged_cases import decode_meta, last_token_slots, mixed_meta
 
 pytestmark = pytest.mark.skipif(load_kernels() is None,
                                 reason="no C++ toolchain for the kernel")
-
-
-def _meta(lens: list[int], block_size: int, num_blocks: int, seed: int) -> AttentionMetadata:
-    g = torch.Generator().manual_seed(seed)
-    max_blocks = max(-(-n // block_size) for n in lens) + 1  # one padding column
-    tables = torch.zeros(len(lens), max_blocks, dtype=torch.long)
-    # Random blocks (never the null block), no block in two requests: a request's new token goes
-    # to a block no other request reads, as in the engine (shared prefix blocks are full).
-    free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-    for i, n in enumerate(lens):
-        used = -(-n // block_size)
-        tables[i, :used] = torch.tensor(free[:used])
-        del free[:used]
-    seq = torch.tensor(lens)
-    return AttentionMetadata(
-        slot_mapping=torch.zeros(len(lens), dtype=torch.long),
-        query_start_loc=torch.arange(len(lens) + 1), seq_lens=seq, block_tables=tables,
-        block_size=block_size, num_decodes=len(lens), max_decode_seq_len=max(lens),
-        query_start_loc_host=list(range(len(lens) + 1)), seq_lens_host=list(lens))
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (8, 8, 32, 4),
@@ -39,7 +21,7 @@ def test_kernel_matches_reference(heads, kv_heads, dim, block_size, lens):
     torch.manual_seed(len(lens) * heads)
     num_blocks = 256
     kv = torch.randn(2, num_blocks, block_size, kv_heads, dim)
-    meta = _meta(lens, block_size, num_blocks, seed=heads)
+    meta = decode_meta(lens, block_size, num_blocks, seed=heads)
     q = torch.randn(len(lens), heads, dim)
     expected = _decode_attention(q, kv, meta, dim ** -0.5)
     decode = cpu_attention.decode_attention_of(load_kernels())
@@ -54,16 +36,7 @@ def test_backend_mixes_kernel_decodes_and_torch_prefills():
 
     torch.manual_seed(0)
     heads, kv_heads, dim, bs, num_blocks = 6, 2, 16, 4, 32
-    lens = [9, 14, 7]  # the last request computes its last 3 tokens in this step
-    meta = _meta(lens, bs, num_blocks, seed=1)
-    meta.num_decodes = 2
-    meta.query_start_loc_host = [0, 1, 2, 5]
-    meta.query_start_loc = torch.tensor(meta.query_start_loc_host)
-    slots = []
-    for i, (n, new) in enumerate(zip(lens, (1, 1, 3))):
-        for pos in range(n - new, n):
-            slots.append(int(meta.block_tables[i, pos // bs]) * bs + pos % bs)
-    meta.slot_mapping = torch.tensor(slots)
+    meta = mixed_meta(bs, num_blocks, seed=1)
     q, k, v = (torch.randn(5, h, dim) for h in (heads, kv_heads, kv_heads))
     cache = torch.randn(2, num_blocks, bs, kv_heads, dim)
     expected = torch_paged_attention(q, k, v, cache.clone(), meta, 0.25)
@@ -80,9 +53,8 @@ def test_kernel_stores_the_decodes_keys_and_values():
     torch.manual_seed(3)
     heads, kv_heads, dim, bs, num_blocks = 9, 3, 64, 16, 32
     lens = [5, 16, 17, 40]
-    meta = _meta(lens, bs, num_blocks, seed=2)
-    meta.slot_mapping = torch.tensor([int(meta.block_tables[i, (n - 1) // bs]) * bs + (n - 1) % bs
-                                      for i, n in enumerate(lens)])
+    meta = decode_meta(lens, bs, num_blocks, seed=2)
+    meta.slot_mapping = last_token_slots(meta)
     qkv = torch.randn(len(lens), heads + 2 * kv_heads, dim)  # q, k, v are views of one tensor
     q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
     cache = torch.randn(2, num_blocks, bs, kv_heads, dim)

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from common.attention import AttentionMetadata, _decode_attention, torch_paged_attention
+from common.attention import _decode_attention, torch_paged_attention
 from common.models.layer_ops import TORCH_LAYER_OPS
 
 triton = pytest.importorskip("triton")
@@ -25,24 +25,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # conftest sets it before triton 
 
 from executor_gpu import triton_attention as attn  # noqa: E402
 from executor_gpu import triton_layer_ops as ops  # noqa: E402
-
-
-def _meta(lens: list[int], block_size: int, num_blocks: int, seed: int,
-          extra_columns: int = 1) -> AttentionMetadata:
-    g = torch.Generator().manual_seed(seed)
-    max_blocks = max(-(-n // block_size) for n in lens) + extra_columns
-    tables = torch.zeros(len(lens), max_blocks, dtype=torch.long)
-    free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # never the null block
-    for i, n in enumerate(lens):
-        used = -(-n // block_size)
-        tables[i, :used] = torch.tensor(free[:used])
-        del free[:used]
-    return AttentionMetadata(
-        slot_mapping=torch.zeros(len(lens), dtype=torch.long),
-        query_start_loc=torch.arange(len(lens) + 1), seq_lens=torch.tensor(lens),
-        block_tables=tables, block_size=block_size, num_decodes=len(lens),
-        max_decode_seq_len=max(lens), query_start_loc_host=list(range(len(lens) + 1)),
-        seq_lens_host=list(lens))
+from tests.paged_cases import decode_meta, last_token_slots, mixed_meta  # noqa: E402
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", [
@@ -56,7 +39,7 @@ def test_decode_attention_matches_reference(heads, kv_heads, dim, block_size, le
     torch.manual_seed(sum(lens) + heads)
     num_blocks = 64
     kv = torch.randn(2, num_blocks, block_size, kv_heads, dim)
-    meta = _meta(lens, block_size, num_blocks, seed=heads, extra_columns=3)
+    meta = decode_meta(lens, block_size, num_blocks, seed=heads, extra_columns=3)
     # Queries as a strided view of a fused q|k|v tensor, as the model passes them.
     qkv = torch.randn(len(lens), heads + 2 * kv_heads, dim)
     q = qkv[:, :heads]
@@ -73,9 +56,8 @@ def test_decode_attention_stores_the_new_tokens_first():
     torch.manual_seed(7)
     lens = [1, 17, 40]
     kv = torch.randn(2, 32, 8, 2, 32)
-    meta = _meta(lens, 8, 32, seed=3)
-    slots = torch.tensor([int(meta.block_tables[i, (n - 1) // 8]) * 8 + (n - 1) % 8
-                          for i, n in enumerate(lens)])
+    meta = decode_meta(lens, 8, 32, seed=3)
+    slots = last_token_slots(meta)
     qkv = torch.randn(3, 4 + 2 + 2, 32)
     q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
     expected_cache = kv.clone()
@@ -102,7 +84,7 @@ def test_decode_attention_ignores_unread_slots():
     NaN included, without reaching the output."""
     torch.manual_seed(1)
     kv = torch.randn(2, 16, 4, 2, 32)
-    meta = _meta([6, 9], 4, 16, seed=2)
+    meta = decode_meta([6, 9], 4, 16, seed=2)
     clean = attn.paged_decode_attention(torch.randn(2, 4, 32), kv, meta.block_tables,
                                         meta.seq_lens, 0.2)
     q = torch.randn(2, 4, 32)
@@ -125,15 +107,7 @@ def test_backend_writes_kv_and_mixes_prefills():
 
     torch.manual_seed(3)
     heads, kv_heads, dim, bs, num_blocks = 4, 2, 16, 4, 32
-    lens = [9, 14, 7]  # the last request computes its last 3 tokens in this step
-    meta = _meta(lens, bs, num_blocks, seed=1)
-    meta.num_decodes = 2
-    meta.query_start_loc_host = [0, 1, 2, 5]
-    meta.query_start_loc = torch.tensor(meta.query_start_loc_host)
-    positions = [8, 13, 4, 5, 6]
-    rows = [0, 1, 2, 2, 2]
-    meta.slot_mapping = torch.tensor([int(meta.block_tables[r, p // bs]) * bs + p % bs
-                                      for r, p in zip(rows, positions)])
+    meta = mixed_meta(bs, num_blocks, seed=1)
     q, k, v = (torch.randn(5, h, dim) for h in (heads, kv_heads, kv_heads))
     cache = torch.randn(2, num_blocks, bs, kv_heads, dim)
     ref_cache = cache.clone()
