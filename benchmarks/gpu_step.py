@@ -356,6 +356,25 @@ def sweep_attention(device: torch.device, full: bool) -> list[dict]:
     return rows
 
 
+def profile_executor_step(runner: GPUModelRunner, batch: int, context: int) -> list[dict]:
+    """Host time of ``execute_model`` decode steps by function (cProfile, 20 steps): where the
+    whole step's time beyond the graph replay goes."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    time_executor_step(runner, batch, context, 20)
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (path, line, name), (_, calls, tottime, cumtime, _) in stats.stats.items():
+        rows.append({"function": f"{os.path.basename(path)}:{line}:{name}", "calls": calls,
+                     "tottime_ms_per_step": tottime * 1e3 / 20,
+                     "cumtime_ms_per_step": cumtime * 1e3 / 20})
+    return sorted(rows, key=lambda r: -r["tottime_ms_per_step"])[:25]
+
+
 def section(report: dict, key: str, fn) -> None:
     """report[key] = fn(), or the error it raised (one failing check does not end the run)."""
     started = time.perf_counter()
@@ -376,6 +395,8 @@ def main(argv=None) -> None:
     p.add_argument("--sweep", action="store_true",
                    help="also: attention over every partition count and tile; graphs with "
                         "cuBLASLt and with [out, in] weights")
+    p.add_argument("--profile-host", action="store_true",
+                   help="also: cProfile of execute_model steps at the largest batch")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     smoke = a.smoke or not torch.cuda.is_available()
@@ -421,6 +442,9 @@ def main(argv=None) -> None:
         section(report, "recaptured", runner.enable_decode_graphs)
     section(report, "executor_step_ms",
             lambda: time_executor_step(runner, max(batches), a.context, 12) * 1e3)
+    if a.profile_host:
+        section(report, "host_profile",
+                lambda: profile_executor_step(runner, max(batches), a.context))
     if not smoke and a.sweep:  # last: this one re-lays the weights out
         section(report, "forward_out_in", lambda: rows.extend(recaptured_rows(
             runner, batches, a.context, "graph_oi", ops=out_in_ops(runner.fused_ops)))
@@ -448,6 +472,9 @@ def main(argv=None) -> None:
         print(f"attention b={r['batch']:>2} ctx={r['context']:>4} parts={r['parts']:>2} "
               f"tile={r['tile']:>3}: {r['us']:7.1f} us {r['TBps']:5.2f} TB/s"
               f"{' (picked)' if r['picked'] else ''}")
+    for r in report.get("host_profile") if isinstance(report.get("host_profile"), list) else []:
+        print(f"host {r['tottime_ms_per_step']:7.3f} ms self {r['cumtime_ms_per_step']:7.3f} ms "
+              f"cum {r['calls'] // 20:5d}x/step  {r['function']}")
     for r in report.get("profile") if isinstance(report.get("profile"), list) else []:
         print(f"{r['us_per_step']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
     print(f"executor step (execute_model), batch {max(batches)}, ctx {a.context}: "
