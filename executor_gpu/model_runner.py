@@ -101,6 +101,10 @@ class GPUModelRunner(TorchModelRunner):
     def run_rows(self, rows: list[ScheduledRow]) -> RowResults:
         """Build the step's tensors, then forward, logits, sampling and prompt logprobs."""
         batch = self.input_batch.build(rows)
+        sample_states = [rows[i].state for i in batch.sample_rows]
+        # Sampling tensors go to the device before the forward pass is queued: copied after
+        # it, they would wait for it (the host idles), and the sampler's launches would follow.
+        meta = self._sampling_metadata(sample_states) if sample_states else None
         replayed = None
         if (self.graphs is not None and len(batch.sample_rows) == len(rows)
                 and not batch.prompt_lp_rows):
@@ -115,8 +119,7 @@ class GPUModelRunner(TorchModelRunner):
         row_sums = torch.zeros(len(rows), dtype=torch.float32, device=self.device)
         row_sums.index_add_(0, batch.token_rows, hidden.float().sum(dim=-1))
         results = RowResults.empty(len(rows))
-        sample_states = [rows[i].state for i in batch.sample_rows]
-        if sample_states:
+        if meta is not None:
             logits = decode_logits if decode_logits is not None else \
                 self.model.compute_logits(hidden[batch.logits_indices])
             logits_ok = logits.sum(dim=-1).isfinite()
@@ -124,7 +127,6 @@ class GPUModelRunner(TorchModelRunner):
             # the check is cheap there, rewriting [S, vocab] is not).
             if self.device.type != "cpu" or not bool(logits_ok.all()):
                 logits = logits.masked_fill(~logits_ok[:, None], 0.0)
-            meta = self._sampling_metadata(sample_states)
             result = self.sampler(logits, meta)
             token_lps = result.logprobs.to_token_logprobs(meta.num_logprobs) \
                 if result.logprobs is not None else [None] * len(sample_states)
