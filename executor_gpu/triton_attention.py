@@ -27,8 +27,11 @@ BACKEND_NAME = "triton_paged"
 #: Context tokens one loop iteration reads (a power of two, at least 16; the block size need not
 #: divide it).
 #: 128 measured fastest on an H200 (bf16, 128-wide heads): 2.9 TB/s of KV at batch 64 x 256
-#: tokens against 2.1 for 64 (benchmarks/gpu_step.py --sweep).
+#: tokens against 2.1 for 64 (benchmarks/gpu_step.py --sweep). Wider rows get shorter tiles
+#: (``tile_for``): a tile of keys is at most TILE_BYTES, which keeps a float32 model with
+#: 256-wide heads within Hopper's shared memory.
 TILE = 128
+TILE_BYTES = 32 * 1024
 #: Partitions split a context only when (requests x KV heads) programs would leave most
 #: multiprocessors idle: at batch 64 a single partition was fastest (the combine pass costs more
 #: than the parallelism gains); at batch 1 x 1024 tokens 8 partitions ran 3.3x faster than one.
@@ -125,6 +128,11 @@ def _combine_parts_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_str
              out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+def tile_for(dim_pad: int, element_size: int) -> int:
+    """Context tokens per loop iteration for rows of ``dim_pad`` elements."""
+    return min(TILE, max(16, TILE_BYTES // (dim_pad * element_size)))
+
+
 @functools.lru_cache(maxsize=8)
 def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
@@ -187,7 +195,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         k_new, v_new, slots if store else seq_lens, k_new.stride(0), k_new.stride(1),
         v_new.stride(0), v_new.stride(1), part_m, part_l, part_acc, num_heads,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        DIM_PAD=dim_pad, TILE_TOKENS=tile or TILE,
+        DIM_PAD=dim_pad, TILE_TOKENS=tile or tile_for(dim_pad, kv_cache.element_size()),
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32", STORE_KV=store,
         PARTS=parts, num_warps=4)
     if parts > 1:

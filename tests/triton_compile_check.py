@@ -24,9 +24,9 @@ from executor_gpu import triton_attention, triton_layer_ops  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def _compile(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4) -> None:
-    """Compile ``kernel`` with every argument typed: ``types`` names pointer and float args
-    (the rest are i32 scalars or constexprs)."""
+def _compile(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4):
+    """Compile ``kernel`` with every argument typed (``types`` names pointer and float args; the
+    rest are i32 scalars or constexprs); returns the compiled kernel."""
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -34,7 +34,7 @@ def _compile(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4
         else:
             signature[name] = types.get(name, "i32")
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
 
 
 def main() -> None:
@@ -43,11 +43,16 @@ def main() -> None:
                                           "v_new_ptr")}
         ptrs.update(tables_ptr="*i64", seq_lens_ptr="*i64", slots_ptr="*i64", scale="fp32",
                     part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32")
-        for store, parts in ((False, 1), (True, 1), (True, 8)):
-            _compile(triton_attention._paged_decode_kernel, ptrs, dict(
-                GROUP=4, GROUP_PAD=16, HEAD_DIM=128, DIM_PAD=128,
-                TILE_TOKENS=triton_attention.TILE, PRECISION=precision, STORE_KV=store,
-                PARTS=parts))
+        for store, parts, head_dim in ((False, 1, 128), (True, 1, 128), (True, 8, 128),
+                                       (True, 1, 64), (True, 1, 80), (True, 1, 256)):
+            kernel = _compile(triton_attention._paged_decode_kernel, ptrs, dict(
+                GROUP=4, GROUP_PAD=16, HEAD_DIM=head_dim,
+                DIM_PAD=triton.next_power_of_2(head_dim),
+                TILE_TOKENS=triton_attention.tile_for(triton.next_power_of_2(head_dim),
+                                                      2 if dtype == "bf16" else 4),
+                PRECISION=precision, STORE_KV=store, PARTS=parts))
+            # Within the shared memory a block may have on an H100/H200 (227 KiB).
+            assert kernel.metadata.shared <= 227 * 1024, (head_dim, kernel.metadata.shared)
         _compile(triton_attention._combine_parts_kernel,
                  {"out_ptr": f"*{dtype}", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
                   "part_acc_ptr": "*fp32"}, dict(HEAD_DIM=128, DIM_PAD=128, PARTS=8))
