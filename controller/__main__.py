@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 
@@ -173,6 +174,17 @@ def _add_operations_flags(p: argparse.ArgumentParser) -> None:
                         "aborted")
 
 
+def tune_gc() -> None:
+    """Keep Python's cycle collector off the step loop's back: the objects of startup (the
+    tokenizer, the app) are frozen out of its scans, and young-generation passes run every
+    50,000 allocations instead of 700. A step allocates a handful of objects per request, so
+    at 256 requests the default thresholds ran a collection several times per step and a
+    full one every few hundred steps, each scanning every live request's state."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
+
+
 def main(argv=None) -> None:
     config = parse_args(argv)
     tokenizer = Tokenizer.from_model_dir(config.model)
@@ -182,6 +194,7 @@ def main(argv=None) -> None:
     serving = OpenAIServing(engine, tokenizer, config.served_model_name, config.max_logprobs,
                             admission)
     app = create_app(engine, serving)
+    tune_gc()
     server = GracefulServer(
         uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                        timeout_graceful_shutdown=10, ssl_certfile=config.ssl_certfile or None,
