@@ -42,18 +42,20 @@ class OutputDelta:
     error: str = ""  # why the request failed, when finish_reason is "error"
 
 
-def merge_deltas(deltas: list[OutputDelta]) -> OutputDelta:
-    """One delta saying what ``deltas`` said in order (counts and status from the last)."""
-    last = deltas[-1]
-
-    def joined(field: str) -> list | None:
-        parts = [getattr(d, field) for d in deltas]
-        return None if all(p is None for p in parts) else [x for p in parts for x in p or ()]
-
-    return OutputDelta(
-        request_id=last.request_id, text="".join(d.text for d in deltas),
-        token_ids=[t for d in deltas for t in d.token_ids], logprobs=joined("logprobs"),
-        prompt_logprobs=joined("prompt_logprobs"), finished=last.finished,
-        finish_reason=last.finish_reason, num_prompt_tokens=last.num_prompt_tokens,
-        num_output_tokens=last.num_output_tokens, num_cached_tokens=last.num_cached_tokens,
-        error=last.error)
+def absorb(into: OutputDelta, later: OutputDelta) -> None:
+    """Make ``into`` (a delta whose lists nobody else holds) say what it said and then what
+    ``later`` said; counts and status come from ``later``."""
+    into.text += later.text
+    into.token_ids.extend(later.token_ids)
+    for name in ("logprobs", "prompt_logprobs"):
+        extra = getattr(later, name)
+        if extra:
+            held = getattr(into, name)
+            if held is None:
+                setattr(into, name, list(extra))
+            else:
+                held.extend(extra)
+    into.finished, into.finish_reason, into.error = (later.finished, later.finish_reason,
+                                                     later.error)
+    into.num_prompt_tokens, into.num_output_tokens, into.num_cached_tokens = (
+        later.num_prompt_tokens, later.num_output_tokens, later.num_cached_tokens)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from controller.detokenizer import OutputTextState
-from controller.outputs import GenerationRequest, OutputDelta, merge_deltas
+from controller.outputs import GenerationRequest, OutputDelta, absorb
 from controller.request import Request
 from controller.scheduler import RequestUpdate
 
@@ -40,8 +40,8 @@ class Tracked:
     waiting_since: float = 0.0  # monotonic time it started waiting for an executor
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache where it started
     delivered: bool = False  # a delta went to the API handler already
-    held: list[OutputDelta] = field(default_factory=list)  # deltas of a non-streamed request
-    # not handed over yet
+    held: OutputDelta | None = None  # what a non-streamed request produced since its first
+    # delta, not handed over yet (one delta, grown in place)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -86,12 +86,17 @@ def deliver(tracked: Tracked, delta: OutputDelta) -> None:
     """Hand a delta to the API handler. A streamed request gets every step's; a non-streamed
     one gets its first (which ends its queued time) and then one merged delta when it ends, so
     that its handler wakes twice instead of once per token."""
+    held = tracked.held
     if tracked.gen.stream or not tracked.delivered or delta.finished:
-        if tracked.held:
-            tracked.held.append(delta)
-            delta = merge_deltas(tracked.held)
-            tracked.held = []
+        if held is not None:
+            absorb(held, delta)
+            delta, tracked.held = held, None
         tracked.delivered = True
         tracked.queue.put_nowait(delta)
+    elif held is None:  # a copy whose lists this request alone grows
+        tracked.held = replace(delta, token_ids=list(delta.token_ids),
+                               logprobs=None if delta.logprobs is None else list(delta.logprobs),
+                               prompt_logprobs=None if delta.prompt_logprobs is None
+                               else list(delta.prompt_logprobs))
     else:
-        tracked.held.append(delta)
+        absorb(held, delta)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from common.step_types import SamplingParams, TokenLogprobs
-from controller.outputs import GenerationRequest, OutputDelta, merge_deltas
+from controller.outputs import GenerationRequest, OutputDelta, absorb
 from controller.tracked import Tracked, deliver
 
 
@@ -44,12 +44,13 @@ def test_non_streamed_requests_get_the_first_delta_then_one_at_the_end():
     assert last.token_ids == [1, 2, 3, 4] and last.text == "t1 t2 t3 t4 "
     assert [lp.token_id for lp in last.logprobs] == [1, 2, 3, 4]
     assert last.finished and last.finish_reason == "length" and last.num_output_tokens == 5
-    assert tracked.held == []
+    assert tracked.held is None
 
 
-def test_merge_keeps_absent_logprobs_absent():
-    a, b = OutputDelta("r", text="a", token_ids=[1]), OutputDelta("r", text="b", token_ids=[2],
-                                                                  finished=True)
-    merged = merge_deltas([a, b])
-    assert merged.logprobs is None and merged.prompt_logprobs is None
-    assert (merged.text, merged.token_ids, merged.finished) == ("ab", [1, 2], True)
+def test_absorb_keeps_absent_logprobs_absent():
+    a = OutputDelta("r", text="a", token_ids=[1])
+    absorb(a, OutputDelta("r", text="b", token_ids=[2], finished=True, finish_reason="stop"))
+    assert a.logprobs is None and a.prompt_logprobs is None
+    assert (a.text, a.token_ids, a.finished, a.finish_reason) == ("ab", [1, 2], True, "stop")
+    absorb(a, OutputDelta("r", prompt_logprobs=[TokenLogprobs(3, -1.0, 2)]))
+    assert [lp.token_id for lp in a.prompt_logprobs] == [3]
