@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import statistics
@@ -36,7 +35,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common.attention import AttentionMetadata, _decode_attention  # noqa: E402
+from benchmarks.gpu_kernels import (  # noqa: E402
+    BLOCK,
+    check_kernels,
+    copy_bandwidth,
+    event_median_ms,
+    fabricated_meta,
+    sweep_attention,
+    time_gemms,
+)
 from common.config import ExecutorConfig  # noqa: E402
 from common.models import load_model_geometry  # noqa: E402
 from common.models.layer_ops import TORCH_LAYER_OPS  # noqa: E402
@@ -49,7 +56,6 @@ from common.step_types import (  # noqa: E402
 from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # H200 datasheet
-BLOCK = 16
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
              "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
              "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
@@ -58,94 +64,6 @@ LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "voca
 TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "rope_theta": 10000.0, "max_position_embeddings": 512, "eos_token_id": 0}
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """||got - ref|| / ||ref|| in float64 (NaN anywhere gives NaN)."""
-    got, ref = got.double(), ref.double()
-    return float((got - ref).norm() / ref.norm())
-
-
-def event_median_ms(fn, iters: int = 30, warmup: int = 3) -> float:
-    """Median milliseconds of fn() by CUDA events (host clock + sync on the CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Device-to-device copy of 2 GiB, bytes read + written per second."""
-    src = torch.empty(2 << 30, dtype=torch.uint8, device=device).random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = event_median_ms(lambda: dst.copy_(src), iters=10)
-    return 2 * src.numel() / (ms / 1e3)
-
-
-def fabricated_meta(batch: int, context: int, device: torch.device) -> AttentionMetadata:
-    """A decode step of ``batch`` requests at ``context`` tokens, each on its own blocks."""
-    per = -(-context // BLOCK)
-    tables = (torch.arange(batch * per, device=device).view(batch, per) + 1)
-    pos = context - 1
-    slots = tables[:, pos // BLOCK] * BLOCK + pos % BLOCK
-    return AttentionMetadata(
-        slot_mapping=slots, query_start_loc=torch.arange(batch + 1, device=device),
-        seq_lens=torch.full((batch,), context, device=device), block_tables=tables,
-        block_size=BLOCK, num_decodes=batch, max_decode_seq_len=context,
-        query_start_loc_host=list(range(batch + 1)), seq_lens_host=[context] * batch)
-
-
-def check_kernels(device: torch.device) -> dict:
-    """Relative errors of the Triton kernels against the torch reference on the GPU."""
-    from executor_gpu import triton_attention
-    from executor_gpu import triton_layer_ops as ops
-
-    out = {}
-    gen = torch.Generator(device=device).manual_seed(0)
-    lens = torch.randint(1, 700, (24,), generator=gen, device=device).tolist()
-    for dtype in (torch.float32, torch.bfloat16):
-        kv = torch.randn(2, 24 * 44 + 1, BLOCK, 8, 128, device=device, generator=gen).to(dtype)
-        tables = torch.randperm(24 * 44, generator=gen, device=device).view(24, 44) + 1
-        meta = AttentionMetadata(torch.zeros(24, dtype=torch.long, device=device),
-                                 torch.arange(25, device=device), torch.tensor(lens, device=device),
-                                 tables, BLOCK, 24, max(lens), list(range(25)), lens)
-        q = torch.randn(24, 32, 128, device=device, generator=gen).to(dtype)
-        ref = _decode_attention(q.double(), kv.double(), meta, 128 ** -0.5)
-        got = triton_attention.paged_decode_attention(q, kv, tables, meta.seq_lens, 128 ** -0.5)
-        out[f"attention_{str(dtype)[6:]}"] = rel_err(got, ref)
-    x = torch.randn(64, 4096, device=device, generator=gen).to(torch.bfloat16)
-    res = torch.randn(64, 4096, device=device, generator=gen).to(torch.bfloat16)
-    w = (1 + 0.1 * torch.randn(4096, device=device, generator=gen)).to(torch.bfloat16)
-    out["rms_norm_bf16"] = rel_err(ops.rms_norm(x, w, 1e-5),
-                                   TORCH_LAYER_OPS.rms_norm(x.double(), w.double(), 1e-5))
-    res_ref = res.double() + x.double()
-    out["add_rms_norm_bf16"] = rel_err(ops.add_rms_norm(x, res, w, 1e-5),
-                                       TORCH_LAYER_OPS.rms_norm(res_ref, w.double(), 1e-5))
-    from common.models.llama import RotaryEmbedding
-
-    table = RotaryEmbedding(128, 8192, 500000.0, None).cos_sin.to(device)
-    positions = torch.randint(0, 8192, (64,), generator=gen, device=device)
-    qkv = torch.randn(64, 48, 128, device=device, generator=gen).to(torch.bfloat16)
-    ref = TORCH_LAYER_OPS.rotary(qkv.double(), 40, TORCH_LAYER_OPS.rope_for_step(
-        table.double(), positions, torch.float64))
-    out["rotary_bf16"] = rel_err(ops.rotary(qkv, 40, ops.rope_for_step(table, positions, None)),
-                                 ref)
-    gu = torch.randn(64, 2 * 14336, device=device, generator=gen).to(torch.bfloat16)
-    out["silu_and_mul_bf16"] = rel_err(ops.silu_and_mul(gu),
-                                       TORCH_LAYER_OPS.silu_and_mul(gu.double()))
-    return out
 
 
 def start_requests(runner: GPUModelRunner, prompts: list[list[int]], step_id: int = 0,
@@ -254,21 +172,6 @@ def time_executor_step(runner: GPUModelRunner, batch: int, context: int, steps: 
     return statistics.median(times[2:] or times)
 
 
-def time_gemms(device: torch.device, dtype: torch.dtype, rows: list[int]) -> list[dict]:
-    """cuBLAS on the linear layers' shapes at decode row counts (the model's [in, out] layout),
-    as achieved weight bandwidth."""
-    out = []
-    for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
-        w = torch.randn(k, n, device=device).to(dtype)
-        mb = w.numel() * w.element_size() / 1e6
-        for m in rows:
-            x = torch.randn(m, k, device=device).to(dtype)
-            ms = event_median_ms(lambda x=x, w=w: torch.mm(x, w))
-            out.append({"k": k, "n": n, "m": m, "ms": ms, "TBps": mb / ms / 1e3})
-        del w
-    return out
-
-
 def out_in_ops(ops):
     """``ops`` with linear weights stored [out, in] and multiplied by ``F.linear`` (cuBLAS's
     "TN" product) instead of the model's [in, out] ``torch.mm``."""
@@ -315,45 +218,6 @@ def profile_replay(runner: GPUModelRunner, batch: int, context: int) -> list[dic
              "us_per_step": e.device_time_total / 5}
             for e in prof.key_averages() if e.device_time_total > 0]
     return sorted(rows, key=lambda r: -r["us_per_step"])[:16]
-
-
-def graph_time_us(fn, calls: int = 10) -> float:
-    """Microseconds per call of ``fn`` replayed from a CUDA graph of ``calls`` calls (no
-    launch overhead in the figure)."""
-    fn(), fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return event_median_ms(graph.replay, iters=10) * 1e3 / calls
-
-
-def sweep_attention(device: torch.device, full: bool) -> list[dict]:
-    """The decode attention kernel alone, bf16, Llama-3-8B heads (32 query, 8 KV, 128 wide),
-    at its own choice and one partition (``full``: every partition count and tile size);
-    achieved KV bandwidth."""
-    from executor_gpu import triton_attention as ta
-
-    rows = []
-    for batch, context in ((64, 256), (64, 1024), (16, 256), (1, 1024)):
-        meta = fabricated_meta(batch, context, device)
-        kv = torch.randn(2, batch * -(-context // BLOCK) + 1, BLOCK, 8, 128,
-                         device=device).to(torch.bfloat16)
-        q = torch.randn(batch, 32, 128, device=device).to(torch.bfloat16)
-        kv_bytes = 2 * batch * context * 8 * 128 * 2
-        picked = ta.partitions_for(batch, 8, device)
-        grid = [(p, t) for p in (1, 2, 4, 8, 16) for t in (32, 64, 128)] if full else [
-            (1, ta.TILE), (picked, ta.TILE)]
-        for parts, tile in dict.fromkeys(grid):
-                us = graph_time_us(functools.partial(
-                    ta.paged_decode_attention, q, kv, meta.block_tables, meta.seq_lens, 0.088,
-                    parts=parts, tile=tile))
-                rows.append({"batch": batch, "context": context, "parts": parts, "tile": tile,
-                             "us": us, "TBps": kv_bytes / us / 1e6,
-                             "picked": parts == picked and tile == ta.TILE})
-        del kv
-    return rows
 
 
 def profile_executor_step(runner: GPUModelRunner, batch: int, context: int) -> list[dict]:
