@@ -117,7 +117,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             log.info("session %d: step stream %d closed", session, stream)
 
     def _steps(self, request_iterator, context, session: int, stream: int):
-        for step in _decoded_ahead(request_iterator):
+        steps = _decoded_ahead(request_iterator) if self.worker.decode_steps_ahead else (
+            convert.step_from_pb(request) for request in request_iterator)
+        for step in steps:
             started = time.perf_counter()
             with self._lock:
                 replaced = self._replaced(session, stream)

@@ -46,6 +46,11 @@ class TPUWorker(WorkerBase):
         self.options = options or TPUOptions()  # buckets, attention, cache
         self.pjrt_device = ""  # "TPU" or "CPU", set by init_device()
 
+    @property
+    def decode_steps_ahead(self) -> bool:
+        """Not on XLA:CPU, where the model runs on the host's cores (see WorkerBase)."""
+        return self.pjrt_device != "CPU"
+
     def init_device(self) -> None:
         """Choose the PJRT device, turn on the compilation cache, bind the XLA device, read
         the model geometry and create the runner."""
