@@ -22,6 +22,7 @@ from common import convert
 
 _PREFIX = "tandem_sim:"
 _sizes: dict[int, int] = {}  # step id -> its StepRequest size, until the step runs
+_MAX_PENDING_SIZES = 64  # steps decoded but not yet run; older ones never ran (stream replaced)
 _shared: SimMetrics | None = None  # the process's counters, created on first use
 
 
@@ -72,6 +73,8 @@ def install_step_size_probe() -> None:
     def probed(message):
         step = original(message)
         _sizes[step.step_id] = message.ByteSize()
+        if len(_sizes) > _MAX_PENDING_SIZES:  # a step decoded ahead whose stream was dropped
+            del _sizes[next(iter(_sizes))]
         return step
 
     probed.sim_probe = True  # type: ignore[attr-defined]

@@ -119,6 +119,20 @@ def test_worker_sleeps_the_modeled_time_and_counts(default_model_dir):
     assert REGISTRY.get_sample_value("tandem_sim:steps_total") == steps + 1
 
 
+def test_step_size_probe_forgets_steps_that_never_run():
+    from common import convert
+    from executor_sim import metrics
+
+    metrics.install_step_size_probe()
+    message = convert.step_to_pb(StepInput(7, new_requests=[new("p", [1, 2, 3], 3)]))
+    for step_id in range(1000, 1200):  # decoded ahead, their stream dropped before they ran
+        message.step_id = step_id
+        convert.step_from_pb(message)
+    assert len(metrics._sizes) <= metrics._MAX_PENDING_SIZES
+    assert metrics.take_step_bytes(1199) == message.ByteSize()
+    assert metrics.take_step_bytes(1199) == 0
+
+
 def test_sim_imports_no_torch():
     code = "import sys, executor_sim.__main__; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
