@@ -19,7 +19,7 @@ import grpc
 from common import convert
 from common.pb import executor_pb2 as pb
 from common.pb import executor_pb2_grpc as pb_grpc
-from common.step_types import StepInput
+from common.step_types import StepInput, StepOutput
 from common.worker_base import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -117,23 +117,44 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             log.info("session %d: step stream %d closed", session, stream)
 
     def _steps(self, request_iterator, context, session: int, stream: int):
-        steps = _decoded_ahead(request_iterator) if self.worker.decode_steps_ahead else (
-            convert.step_from_pb(request) for request in request_iterator)
-        for step in steps:
-            started = time.perf_counter()
-            with self._lock:
-                replaced = self._replaced(session, stream)
-                if replaced:
-                    log.warning("session %d: step stream %d ends: %s", session, stream, replaced)
-                    context.abort(grpc.StatusCode.ABORTED, replaced)
-                try:
-                    output = self.worker.execute_model(step)
-                except Exception as exc:  # the whole step failed: the controller retries
-                    log.exception("step %d failed", step.step_id)
-                    context.abort(grpc.StatusCode.INTERNAL, f"step {step.step_id} failed: {exc}")
-            if not output.device_seconds:
-                output.device_seconds = time.perf_counter() - started
-            yield convert.result_to_pb(output)
+        def execute(step: StepInput) -> StepOutput:
+            return self._execute(step, session, stream)
+
+        if self.worker.decode_steps_ahead:
+            outputs = _run_ahead(_decoded_ahead(request_iterator), execute)
+        else:
+            outputs = (execute(convert.step_from_pb(r)) for r in request_iterator)
+        try:
+            for output in outputs:
+                yield convert.result_to_pb(output)
+        except _StepAborted as exc:
+            context.abort(exc.code, exc.details)
+
+    def _execute(self, step: StepInput, session: int, stream: int) -> StepOutput:
+        """Run one step on the worker, unless the stream was replaced (_StepAborted)."""
+        started = time.perf_counter()
+        with self._lock:
+            replaced = self._replaced(session, stream)
+            if replaced:
+                log.warning("session %d: step stream %d ends: %s", session, stream, replaced)
+                raise _StepAborted(grpc.StatusCode.ABORTED, replaced)
+            try:
+                output = self.worker.execute_model(step)
+            except Exception as exc:  # the whole step failed: the controller retries
+                log.exception("step %d failed", step.step_id)
+                raise _StepAborted(grpc.StatusCode.INTERNAL,
+                                   f"step {step.step_id} failed: {exc}") from exc
+        if not output.device_seconds:
+            output.device_seconds = time.perf_counter() - started
+        return output
+
+
+class _StepAborted(Exception):
+    """A step the stream must end on, with this status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
 
 
 _END = object()
@@ -164,3 +185,38 @@ def _decoded_ahead(requests) -> Iterator[StepInput]:
         if isinstance(item, Exception):
             raise item
         yield item
+
+
+def _run_ahead(steps: Iterator[StepInput], execute) -> Iterator[StepOutput]:
+    """The outputs of ``execute`` over ``steps``, run on a thread of their own: while the
+    stream's thread converts and sends step N's result, the device already runs step N+1, as
+    an asynchronous executor would (the send waits for gRPC's write to complete). Errors,
+    ``_StepAborted`` included, are raised here after the outputs before them. When the consumer
+    stops (the stream ended), no further step is started."""
+    ready: queue.SimpleQueue = queue.SimpleQueue()
+    stopped = threading.Event()
+
+    def run() -> None:
+        try:
+            for step in steps:
+                if stopped.is_set():
+                    return
+                ready.put(execute(step))
+        except Exception as exc:
+            ready.put(exc)
+        finally:
+            ready.put(_END)
+
+    runner = threading.Thread(target=run, name="step-runner", daemon=True)
+    runner.start()
+    try:
+        while True:
+            item = ready.get()
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+    finally:
+        stopped.set()
+        runner.join(timeout=30)  # a step already started finishes before the stream counts closed
