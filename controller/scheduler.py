@@ -179,19 +179,28 @@ class Scheduler(SchedulerBase):
         plan: dict[str, _Scheduled] = {}
         preempted = False
 
+        threshold = self.config.long_prefill_token_threshold
+        allocate_slots = self.kv.allocate_slots
         index = 0
         while index < len(self.running):
             request = self.running[index]
-            num_new = request.num_tokens + request.num_pending_tokens \
-                - request.num_computed_tokens
-            if request.num_pending_tokens and not request.can_sample_more:
+            # Inlined (once per running request per step): num_tokens, can_sample_more, _cap.
+            num_output = len(request.output_token_ids)
+            pending = request.num_pending_tokens
+            num_known = len(request.prompt_token_ids) + num_output
+            num_new = num_known + pending - request.num_computed_tokens
+            if pending and (num_output + pending >= request.max_tokens or (
+                    0 < request.max_model_len <= num_known + pending)):
                 num_new = 0  # what is left is placeholders, computed only to sample more
-            num_new = self._cap(num_new, budget)
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0:
                 index += 1
                 continue
             while True:
-                new_block_ids = self.kv.allocate_slots(request, num_new)
+                new_block_ids = allocate_slots(request, num_new)
                 if new_block_ids is not None:
                     break
                 victim = self._pick_victim()
