@@ -222,6 +222,11 @@ class OutputTextState:
         self.finished = False  # `update(..., finished=True)` has been called, or a stop matched
 
     @property
+    def deferred(self) -> bool:
+        """Whether the text is decoded only at the end (nothing reads it before)."""
+        return self._defer
+
+    @property
     def stopped(self) -> bool:
         """Whether a stop string ended the output."""
         return self._stops.stopped

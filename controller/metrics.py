@@ -12,6 +12,7 @@ Counters are exposed with a `_total` suffix by prometheus_client.
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -139,6 +140,8 @@ class EngineMetrics:
         self._series: dict[str, ExecutorSeries] = {}  # executor address -> its children
         self._none: ExecutorSeries | None = None  # events on no executor, bound on first use
         self._last: dict[str, tuple[int, int, int]] = {}  # runner -> cumulative counters seen
+        self._step_tokens = 0  # tokens of the step being applied, counted at its step_done
+        self._step_itl: dict[float, int] = {}  # its inter-token latencies -> how many
 
     def watch(self, engine: Engine) -> None:
         """Add the scrape-time gauges of the engine's fleet."""
@@ -198,16 +201,20 @@ class EngineMetrics:
 
     def tokens_generated(self, runner: ExecutorRunner, tracked: Tracked, count: int,
                          now: float) -> None:
-        s = self.series(runner)
-        s.generation_tokens.inc(count)
+        """A request got `count` tokens at `now`. The token count and the inter-token latency
+        are folded in at the step's `step_done`: the requests of a decode step share one
+        latency (the time since the previous step), observed once with their number."""
+        self._step_tokens += count
         if not tracked.first_token_at:
+            s = self.series(runner)
             tracked.first_token_at = now
             s.ttft.observe(now - tracked.arrival)
             s.prompt_tokens.inc(len(tracked.gen.prompt_token_ids))
             if tracked.scheduled_at:
                 s.prefill_time.observe(now - tracked.scheduled_at)
         else:
-            s.itl.observe((now - tracked.last_token_at) / count)
+            gap = (now - tracked.last_token_at) / count
+            self._step_itl[gap] = self._step_itl.get(gap, 0) + 1
         tracked.last_token_at = now
 
     def request_finished(self, reason: str | None, tracked: Tracked | None = None,
@@ -262,6 +269,12 @@ class EngineMetrics:
                   seconds: float, stats) -> None:
         """Observe a step and fold the scheduler's cumulative counters in."""
         s = self.series(runner)
+        if self._step_tokens:
+            s.generation_tokens.inc(self._step_tokens)
+            self._step_tokens = 0
+            for gap, times in self._step_itl.items():
+                observe_many(s.itl, gap, times)
+            self._step_itl.clear()
         s.iteration_tokens.observe(num_tokens)
         s.step_seconds.observe(seconds)
         s.step_requests.observe(num_requests)
@@ -275,3 +288,13 @@ class EngineMetrics:
             s.prefix_hits.inc(cur[1] - prev[1])
             s.preemptions.inc(cur[2] - prev[2])
             self._last[key] = cur
+
+
+def observe_many(histogram: Any, amount: float, times: int) -> None:
+    """``histogram.observe(amount)`` ``times`` times, in one update of its sum and bucket.
+
+    prometheus_client keeps one non-cumulative count per bucket (``_buckets``, bounds in
+    ``_upper_bounds``, ``+Inf`` last) and ``_sum``; tests check this against ``observe``."""
+    histogram._raise_if_not_observable()
+    histogram._sum.inc(amount * times)
+    histogram._buckets[bisect.bisect_left(histogram._upper_bounds, amount)].inc(times)

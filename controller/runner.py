@@ -31,7 +31,7 @@ from controller.scheduler import (
     SchedulerConfig,
     load_scheduler_class,
 )
-from controller.tracked import Tracked, deliver, make_delta
+from controller.tracked import Tracked, deliver, hold_quietly, make_delta
 
 if TYPE_CHECKING:
     from common.step_types import StepInput
@@ -394,16 +394,18 @@ class ExecutorRunner:
         tracked = self.tracked.get(update.request_id)
         if tracked is None or tracked.request is None:
             return
-        delta = make_delta(tracked, update)
-        if delta.finished and not update.finished:  # a stop string matched
-            assert self.scheduler is not None
-            self.scheduler.finish_requests([update.request_id], "stop")
         metrics = self.engine.metrics
         if update.new_token_ids:
             metrics.tokens_generated(self, tracked, len(update.new_token_ids), now)
             if tracked.lost_at:
                 metrics.failover_resumed(self, now - tracked.lost_at)
                 tracked.lost_at = 0.0
+        if hold_quietly(tracked, update):
+            return
+        delta = make_delta(tracked, update)
+        if delta.finished and not update.finished:  # a stop string matched
+            assert self.scheduler is not None
+            self.scheduler.finish_requests([update.request_id], "stop")
         deliver(tracked, delta)
         if delta.finished:
             self._detach(tracked)

@@ -42,6 +42,9 @@ class Tracked:
     delivered: bool = False  # a delta went to the API handler already
     held: OutputDelta | None = None  # what a non-streamed request produced since its first
     # delta, not handed over yet (one delta, grown in place)
+    quiet: bool = False  # delivered, and nothing but tokens can come before the end: steps
+    # add tokens without building a delta (see `hold_quietly`)
+    unsent_tokens: int = 0  # tokens no delta carried yet (the tail of the request's output)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -49,13 +52,30 @@ class Tracked:
         return self.request.output_token_ids if self.request is not None else []
 
 
+def hold_quietly(tracked: Tracked, update: RequestUpdate) -> bool:
+    """Whether the update only adds tokens to a quiet request: then they stay in the request's
+    output (counted in ``unsent_tokens``) until the delta that ends it carries them all. A
+    non-streamed request with no stop string and no logprobs costs no delta per step."""
+    if (tracked.quiet and not update.finished and update.logprobs is None
+            and not update.prompt_logprobs and not update.error):
+        tracked.unsent_tokens += len(update.new_token_ids)
+        return True
+    return False
+
+
 def make_delta(tracked: Tracked, update: RequestUpdate) -> OutputDelta:
     """The client's delta for one scheduler update: new text (a matched stop string ends the
-    request with "stop"), token ids, logprobs, and the prompt logprobs not sent before a move.
+    request with "stop"), token ids (with those held quietly before), logprobs, and the prompt
+    logprobs not sent before a move.
     """
     assert tracked.request is not None
     finished, reason = update.finished, update.finish_reason
-    text, stopped = tracked.text.update(update.new_token_ids, finished)
+    new_token_ids = update.new_token_ids
+    if tracked.unsent_tokens:
+        new_token_ids = tracked.request.output_token_ids[
+            -(tracked.unsent_tokens + len(new_token_ids)):]
+        tracked.unsent_tokens = 0
+    text, stopped = tracked.text.update(new_token_ids, finished)
     if stopped and not finished:
         finished, reason = True, "stop"
     prompt_lps = update.prompt_logprobs or None
@@ -70,7 +90,7 @@ def make_delta(tracked: Tracked, update: RequestUpdate) -> OutputDelta:
     return OutputDelta(
         request_id=update.request_id,
         text=text,
-        token_ids=list(update.new_token_ids),
+        token_ids=list(new_token_ids),
         logprobs=update.logprobs,
         prompt_logprobs=prompt_lps or None,
         finished=finished,
@@ -91,7 +111,11 @@ def deliver(tracked: Tracked, delta: OutputDelta) -> None:
         if held is not None:
             absorb(held, delta)
             delta, tracked.held = held, None
-        tracked.delivered = True
+        if not tracked.delivered:
+            gen = tracked.gen
+            tracked.delivered = True
+            tracked.quiet = (not gen.stream and gen.sampling.logprobs is None
+                             and tracked.text is not None and tracked.text.deferred)
         tracked.queue.put_nowait(delta)
     elif held is None:  # a copy whose lists this request alone grows
         tracked.held = replace(delta, token_ids=list(delta.token_ids),

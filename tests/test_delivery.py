@@ -54,3 +54,62 @@ def test_absorb_keeps_absent_logprobs_absent():
     assert (a.text, a.token_ids, a.finished, a.finish_reason) == ("ab", [1, 2], True, "stop")
     absorb(a, OutputDelta("r", prompt_logprobs=[TokenLogprobs(3, -1.0, 2)]))
     assert [lp.token_id for lp in a.prompt_logprobs] == [3]
+
+
+def test_a_quiet_request_builds_no_delta_per_step_and_ends_with_all_its_tokens():
+    """Non-streamed, no stop string, no logprobs: after the first delta, steps only count the
+    tokens; the last delta carries every one since, across a move to another executor."""
+    import os
+
+    import pytest
+
+    from controller.detokenizer import OutputTextState
+    from controller.request import Request
+    from controller.scheduler_base import RequestUpdate
+    from controller.tokenizer import Tokenizer
+    from controller.tracked import hold_quietly, make_delta
+
+    model = os.path.expanduser(os.environ.get(
+        "TANDEM_MODEL_DIR", "~/.cache/tandem/models/SmolLM2-135M-Instruct"))
+    if not os.path.isfile(os.path.join(model, "tokenizer.json")):
+        pytest.skip("no model directory")
+    tok = Tokenizer.from_model_dir(model)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog again and again")
+    gen = GenerationRequest("q", [1, 2], SamplingParams(), max_tokens=64, stream=False)
+    tracked = Tracked(gen=gen, queue=asyncio.Queue(), arrival=0.0,
+                      text=OutputTextState(tok, defer=True),
+                      request=Request("q", [1, 2], SamplingParams(), max_tokens=64))
+
+    def step(token: int, finished: bool = False) -> None:
+        tracked.request.output_token_ids.append(token)
+        update = RequestUpdate("q", [token], finished=finished,
+                               finish_reason="length" if finished else None)
+        if not hold_quietly(tracked, update):
+            deliver(tracked, make_delta(tracked, update))
+
+    step(ids[0])
+    assert tracked.quiet and len(_drain(tracked.queue)) == 1
+    for token in ids[1:5]:
+        step(token)
+    assert tracked.queue.empty() and tracked.unsent_tokens == 4 and tracked.held is None
+    # A move: the new executor's request resumes from the output so far.
+    moved = Request("q", [1, 2], SamplingParams(), max_tokens=64)
+    moved.output_token_ids = list(tracked.request.output_token_ids)
+    tracked.request = moved
+    for token in ids[5:-1]:
+        step(token)
+    step(ids[-1], finished=True)
+    (last,) = _drain(tracked.queue)
+    assert last.token_ids == ids[1:] and last.finished and last.finish_reason == "length"
+    assert last.text == tok.decode(ids)  # the first delta had no text: decoded once, at the end
+    assert tracked.unsent_tokens == 0
+
+
+def test_requests_with_logprobs_or_streams_are_never_quiet():
+    streamed = _tracked(stream=True)
+    deliver(streamed, _delta(0))
+    assert not streamed.quiet
+    gen = GenerationRequest("r", [1, 2], SamplingParams(logprobs=1), max_tokens=8, stream=False)
+    with_lp = Tracked(gen=gen, queue=asyncio.Queue(), text=None, request=None, arrival=0.0)
+    deliver(with_lp, _delta(0))
+    assert not with_lp.quiet

@@ -81,3 +81,29 @@ def test_dashboard_json_is_generated():
     spec.loader.exec_module(module)
     with open(module.OUT) as f:
         assert f.read() == module.render(), "run python scripts/build_dashboard.py"
+
+
+def test_observe_many_equals_repeated_observe():
+    import pytest
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from controller.metrics import observe_many
+
+    def exposition(bulk: bool) -> dict:
+        registry = CollectorRegistry()
+        hist = Histogram("h", "h", ["x"], buckets=(0.01, 0.1, 1.0), registry=registry)
+        child = hist.labels("a")
+        for amount, times in ((0.005, 3), (0.01, 2), (0.5, 4), (7.0, 1), (0.1, 5)):
+            if bulk:
+                observe_many(child, amount, times)
+            else:
+                for _ in range(times):
+                    child.observe(amount)
+        text = generate_latest(registry).decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}
+
+    bulk, single = exposition(bulk=True), exposition(bulk=False)
+    assert bulk.keys() == single.keys()
+    for key, value in single.items():  # counts exactly, the sum up to rounding
+        assert bulk[key] == pytest.approx(value, rel=1e-12), key
