@@ -67,6 +67,7 @@ class InProcessExecutor:
         self.sent: list[bytes] = []  # serialized steps not yet run, oldest first
         self.executor_seconds = 0.0  # time spent as the executor
         self.scheduled = 0  # requests scheduled in the steps run
+        self.steps = 0  # steps run
         self.address = "in-process"  # for task names
 
     async def check_health(self, timeout: float) -> str:
@@ -95,6 +96,7 @@ class InProcessExecutor:
         request = pb.StepRequest.FromString(self.sent.pop(0))
         step_in = convert.step_from_pb(request)
         self.scheduled += len(step_in.new_requests) + len(step_in.cached_requests)
+        self.steps += 1
         output = self.worker.execute_model(step_in)
         wire = convert.result_to_pb(output).SerializeToString()
         self.executor_seconds += time.process_time() - started
@@ -143,14 +145,15 @@ async def measure_point(model: str, tokenizer: Tokenizer, running: int, steps: i
         await asyncio.sleep(0.01)
     for _ in range(output_len // 2):  # stagger the finishes: a steady mix of ages
         await asyncio.sleep(0)
-    scheduled_before = executor.scheduled
-    cpu0, exe0, steps0 = time.process_time(), executor.executor_seconds, runner.steps
-    while runner.steps - steps0 < steps:
+    # The counters are read together, between steps (the loop runs one task at a time).
+    scheduled0, steps0 = executor.scheduled, executor.steps
+    cpu0, exe0 = time.process_time(), executor.executor_seconds
+    while executor.steps - steps0 < steps:
         await asyncio.sleep(0.001)
     cpu = time.process_time() - cpu0
     exe = executor.executor_seconds - exe0
-    n = runner.steps - steps0
-    scheduled = executor.scheduled - scheduled_before
+    n = executor.steps - steps0
+    scheduled = executor.scheduled - scheduled0
     stop.set()
     for t in tasks:
         t.cancel()

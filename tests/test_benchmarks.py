@@ -84,6 +84,19 @@ def test_controlplane_tiny_grid(default_model_dir, tmp_path):
     assert point["bytes_per_request_decode"] > 0 and point["steps_per_s"] > 0
 
 
+def test_controller_step_benchmark(default_model_dir, tmp_path):
+    out = tmp_path / "cs.json"
+    run = run_script(["benchmarks/controller_step.py", "--model", default_model_dir,
+                      "--running", "4,12", "--steps", "30", "--output-len", "16",
+                      "--json", str(out)], timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    points = json.loads(out.read_text())["points"]
+    assert [p["running"] for p in points] == [4, 12]
+    for p in points:
+        assert p["steps"] >= 30 and 0 < p["batch"] <= p["running"]
+        assert p["cpu_ms_per_step"] > 0 and p["cpu_us_per_request_step"] > 0
+
+
 def test_cpu_step_benchmark_times_every_variant(default_model_dir, tmp_path):
     out = tmp_path / "cpu_step.json"
     run = run_script(["benchmarks/cpu_step.py", "--model", default_model_dir, "--batch-sizes",
