@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -227,3 +228,23 @@ def test_sim_metrics_count_steps_busy_time_and_bytes(sim_fleet):
     assert delta("tandem_sim:step_request_bytes_total") > 0
     assert delta("tandem_sim:decode_steps_total") >= 18
     assert all(e["used_blocks"] == 0 for e in server.executors_state())
+
+
+def test_a_client_that_leaves_a_non_streamed_request_aborts_it(sim_fleet):
+    server, _ = sim_fleet
+    body = {"model": server.model_name, "prompt": "wait for me", "max_tokens": 4000,
+            "ignore_eos": True}
+
+    def aborted() -> float:
+        text = httpx.get(server.base_url + "/metrics").text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("vllm:request_success_total{")
+                   and 'finished_reason="abort"' in line)
+
+    before = aborted()
+    with pytest.raises(httpx.TimeoutException):  # the client gives up and closes the socket
+        httpx.post(server.base_url + "/v1/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while aborted() == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert aborted() == before + 1  # at once, not when its 4000 tokens would have been done
