@@ -98,7 +98,7 @@ class InProcessExecutor:
         self.scheduled += len(step_in.new_requests) + len(step_in.cached_requests)
         self.steps += 1
         output = self.worker.execute_model(step_in)
-        wire = convert.result_to_pb(output).SerializeToString()
+        wire = convert.result_to_pb(output, step_in).SerializeToString()
         self.executor_seconds += time.process_time() - started
         await asyncio.sleep(0)  # the result "arrives": other tasks run, as with a real stream
         return convert.result_from_pb(pb.StepResult.FromString(wire))

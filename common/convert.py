@@ -136,18 +136,33 @@ def _logprobs_from_pb(m: pb.TokenLogprobs) -> TokenLogprobs:
     )
 
 
-def result_to_pb(out: StepOutput) -> pb.StepResult:
-    msgs = []
+def _output_to_pb(o: RequestStepOutput) -> pb.RequestOutput:
+    msg = pb.RequestOutput(request_id=o.request_id, error=o.error)
+    if o.sampled_token_id is not None:
+        msg.sampled_token_id = o.sampled_token_id
+    if o.logprobs is not None:
+        msg.logprobs.CopyFrom(_logprobs_to_pb(o.logprobs))
+    if o.prompt_logprobs:
+        msg.prompt_logprobs.extend(_logprobs_to_pb(p) for p in o.prompt_logprobs)
+    return msg
+
+
+def result_to_pb(out: StepOutput, step: StepInput | None = None) -> pb.StepResult:
+    """The result message; given the step it answers, in the packed form: every request's
+    token in `sampled_token_ids`, a message only for requests with more to report."""
+    msg = pb.StepResult(step_id=out.step_id, device_seconds=out.device_seconds)
+    if step is None or not out.outputs:
+        msg.outputs.extend(_output_to_pb(o) for o in out.outputs)
+        return msg
+    sampled = {}
     for o in out.outputs:
-        msg = pb.RequestOutput(request_id=o.request_id, error=o.error)
-        if o.sampled_token_id is not None:
-            msg.sampled_token_id = o.sampled_token_id
-        if o.logprobs is not None:
-            msg.logprobs.CopyFrom(_logprobs_to_pb(o.logprobs))
-        if o.prompt_logprobs:
-            msg.prompt_logprobs.extend(_logprobs_to_pb(p) for p in o.prompt_logprobs)
-        msgs.append(msg)
-    return pb.StepResult(step_id=out.step_id, outputs=msgs, device_seconds=out.device_seconds)
+        sampled[o.request_id] = -1 if o.sampled_token_id is None else o.sampled_token_id
+        if o.logprobs is not None or o.prompt_logprobs or o.error:
+            msg.outputs.append(_output_to_pb(o))
+    get = sampled.get
+    msg.sampled_token_ids.extend([get(r.request_id, -1) for r in step.new_requests])
+    msg.sampled_token_ids.extend([get(r.request_id, -1) for r in step.cached_requests])
+    return msg
 
 
 def result_from_pb(m: pb.StepResult) -> StepOutput:
@@ -163,7 +178,8 @@ def result_from_pb(m: pb.StepResult) -> StepOutput:
             prompt_logprobs=[_logprobs_from_pb(p) for p in lps] if lps else [],
             error=o.error,
         ))
-    return StepOutput(step_id=m.step_id, outputs=outputs, device_seconds=m.device_seconds)
+    return StepOutput(step_id=m.step_id, outputs=outputs, device_seconds=m.device_seconds,
+                      sampled_token_ids=list(m.sampled_token_ids) or None)
 
 
 # --- handshake ------------------------------------------------------------------------------

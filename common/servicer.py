@@ -117,16 +117,16 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             log.info("session %d: step stream %d closed", session, stream)
 
     def _steps(self, request_iterator, context, session: int, stream: int):
-        def execute(step: StepInput) -> StepOutput:
-            return self._execute(step, session, stream)
+        def execute(step: StepInput) -> tuple[StepInput, StepOutput]:
+            return step, self._execute(step, session, stream)
 
         if self.worker.decode_steps_ahead:
             outputs = _run_ahead(_decoded_ahead(request_iterator), execute)
         else:
             outputs = (execute(convert.step_from_pb(r)) for r in request_iterator)
         try:
-            for output in outputs:
-                yield convert.result_to_pb(output)
+            for step, output in outputs:
+                yield convert.result_to_pb(output, step)  # packed: a token per request
         except _StepAborted as exc:
             context.abort(exc.code, exc.details)
 
@@ -187,7 +187,7 @@ def _decoded_ahead(requests) -> Iterator[StepInput]:
         yield item
 
 
-def _run_ahead(steps: Iterator[StepInput], execute) -> Iterator[StepOutput]:
+def _run_ahead(steps: Iterator[StepInput], execute) -> Iterator:
     """The outputs of ``execute`` over ``steps``, run on a thread of their own: while the
     stream's thread converts and sends step N's result, the device already runs step N+1, as
     an asynchronous executor would (the send waits for gRPC's write to complete). Errors,

@@ -110,4 +110,8 @@ class StepOutput:
 
     step_id: int  # the StepInput this answers
     outputs: list[RequestStepOutput] = field(default_factory=list)  # one per scheduled request
+    # (with sampled_token_ids: only those with logprobs, prompt logprobs or an error)
     device_seconds: float = 0.0  # device time of the step
+    # As received by the controller: every scheduled request's sampled token in the step's order
+    # (new requests, then cached ones), -1 for none; None = all are in `outputs`.
+    sampled_token_ids: list[int] | None = None

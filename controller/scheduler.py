@@ -16,9 +16,16 @@ of work per step in flight is wasted that way).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import NamedTuple
 
-from common.step_types import CachedRequestData, NewRequestData, StepInput, StepOutput
+from common.step_types import (
+    CachedRequestData,
+    NewRequestData,
+    RequestStepOutput,
+    StepInput,
+    StepOutput,
+)
 from controller.kv_cache import KVCacheManager
 from controller.request import FINISH_REASONS, FinishReason, Request, RequestStatus, WaitingQueue
 from controller.scheduler_base import (  # noqa: F401  (re-exported: the scheduler's interface)
@@ -289,29 +296,33 @@ class Scheduler(SchedulerBase):
         updates: list[RequestUpdate] = []
         plan = self._inflight.pop(step.step_id, {})
         num_finished = 0
-        for out in output.outputs:
-            request = self.requests.get(out.request_id)
-            entry = plan.get(out.request_id)
+        requests = self.requests
+        running = RequestStatus.RUNNING
+        for request_id, token, out in _results(step, output):
+            request = requests.get(request_id)
+            entry = plan.get(request_id)
             if (
                 request is None
                 or entry is None
-                or request.status is not RequestStatus.RUNNING
+                or request.status is not running
                 or entry.epoch != request.num_preemptions
             ):
                 continue  # finished, aborted or preempted meanwhile, or not part of this step
-            update = RequestUpdate(out.request_id, prompt_logprobs=out.prompt_logprobs)
-            if out.error:
+            update = RequestUpdate(request_id)
+            if out is not None:
+                update.prompt_logprobs = out.prompt_logprobs
+            if out is not None and out.error:
                 update.finish_reason, update.error = "error", out.error
                 request.num_computed_tokens = entry.start  # its KV from here is not trusted
             elif entry.samples:
-                token = out.sampled_token_id
                 request.num_pending_tokens -= 1
                 if token is None:
                     update.finish_reason, update.error = "error", "the executor sampled nothing"
                 else:
                     request.output_token_ids.append(token)
                     update.new_token_ids = [token]
-                    update.logprobs = None if out.logprobs is None else [out.logprobs]
+                    if out is not None and out.logprobs is not None:
+                        update.logprobs = [out.logprobs]
                     update.finish_reason = request.check_stop()
             if update.finish_reason is not None:
                 self._finish(request, update.finish_reason, unlink=False)
@@ -322,3 +333,26 @@ class Scheduler(SchedulerBase):
         if num_finished:  # one pass instead of a list removal per finished request
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return updates
+
+
+def _results(step: StepInput, output: StepOutput
+             ) -> Iterator[tuple[str, int | None, RequestStepOutput | None]]:
+    """(request id, sampled token or None, its full output if it has one) per request of the
+    step, from either form of StepOutput (see its sampled_token_ids)."""
+    if output.sampled_token_ids is None:
+        for out in output.outputs:
+            yield out.request_id, out.sampled_token_id, out
+        return
+    extras = {out.request_id: out for out in output.outputs}
+    ids = [r.request_id for r in step.new_requests]
+    ids += [r.request_id for r in step.cached_requests]
+    if not extras:
+        for request_id, token in zip(ids, output.sampled_token_ids):
+            yield request_id, (None if token < 0 else token), None
+        return
+    for request_id, token in zip(ids, output.sampled_token_ids):
+        out = extras.get(request_id)
+        if out is not None:
+            yield request_id, out.sampled_token_id, out
+        else:
+            yield request_id, (None if token < 0 else token), None
