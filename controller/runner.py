@@ -231,20 +231,7 @@ class ExecutorRunner:
             cfg.num_kv_blocks, cfg.kind_limits, timeout=cfg.executor_startup_timeout,
         )
         self.engine.check_compatible(self, hs.info)
-        caps = hs.info.capabilities
-        tokens, seqs = cfg.kind_limits.get(
-            hs.info.device_kind, (cfg.max_num_batched_tokens, cfg.max_num_seqs))
-        sched_cfg = SchedulerConfig(
-            max_num_batched_tokens=min(tokens, caps.max_tokens_per_step),
-            max_num_seqs=min(seqs, caps.max_num_seqs),
-            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
-            policy=cfg.policy,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            chunked_prefill=caps.chunked_prefill,
-            block_size=hs.info.kv_cache.block_size,
-            num_blocks=hs.num_blocks,
-            max_model_len=hs.info.model.max_model_len,
-        )
+        sched_cfg = SchedulerConfig.for_executor(cfg, hs.info, hs.num_blocks)
         cls = load_scheduler_class(cfg.scheduler_class) if cfg.scheduler_class else Scheduler
         self._retire_scheduler()
         self.scheduler = cls(sched_cfg)

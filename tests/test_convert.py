@@ -61,8 +61,8 @@ def test_packed_result_carries_a_token_per_request_and_messages_only_for_extras(
 
 
 def test_the_scheduler_reads_both_result_forms_alike():
-    from controller.scheduler import Scheduler, SchedulerConfig
     from controller.request import Request
+    from controller.scheduler import Scheduler, SchedulerConfig
 
     def run(packed: bool) -> list:
         sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,

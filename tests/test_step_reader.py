@@ -7,7 +7,6 @@ import threading
 import time
 
 import grpc
-
 import pytest
 
 from common import convert

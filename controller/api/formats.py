@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from common.step_types import TokenLogprobs
@@ -10,7 +10,7 @@ from controller.api.errors import APIError
 from controller.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from controller.api.serving import Choice, Prompt
+    from controller.api.serving import Prompt
     from controller.outputs import OutputDelta
 
 
@@ -36,6 +36,34 @@ class _TokenText:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
             self._cache[token_id] = text
         return text
+
+
+@dataclass
+class Choice:
+    """One choice being assembled from deltas."""
+
+    index: int  # position in the response's choices
+    prompt_index: int  # which prompt it answers
+    text: str = ""  # generated text
+    token_ids: list[int] = field(default_factory=list)  # generated tokens
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per generated token
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt positions 1..
+    finish_reason: str | None = None  # set when finished
+    error: str = ""  # set when the request failed
+    num_cached_tokens: int = 0  # prefix-cache hit of its prompt
+
+    def add(self, d: OutputDelta) -> None:
+        """Append one delta of its request."""
+        self.text += d.text
+        self.token_ids.extend(d.token_ids)
+        if d.logprobs:
+            self.logprobs.extend(d.logprobs)
+        if d.prompt_logprobs:
+            self.prompt_logprobs.extend(d.prompt_logprobs)
+        self.num_cached_tokens = d.num_cached_tokens
+        if d.finished:
+            self.finish_reason = d.finish_reason
+            self.error = d.error
 
 
 def _raise_errors(choices: list[Choice]) -> None:

@@ -8,15 +8,16 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from common.step_types import SamplingParams, TokenLogprobs
+from common.step_types import SamplingParams
 from controller.admission import ABORT, Admission, AdmissionLimits, AdmissionRejected, Ticket
 from controller.api import formats
 from controller.api.errors import APIError
+from controller.api.formats import Choice
 from controller.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from controller.engine import Engine, NoExecutorError
 from controller.outputs import GenerationRequest, OutputDelta
@@ -25,21 +26,6 @@ from controller.tokenizer import Tokenizer
 # Template inputs the server sets itself; chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_VARS = frozenset(
     {"messages", "add_generation_prompt", "tools", "documents", "chat_template"})
-
-
-@dataclass
-class Choice:
-    """One choice being assembled from deltas."""
-
-    index: int  # position in the response's choices
-    prompt_index: int  # which prompt it answers
-    text: str = ""  # generated text
-    token_ids: list[int] = field(default_factory=list)  # generated tokens
-    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per generated token
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt positions 1..
-    finish_reason: str | None = None  # set when finished
-    error: str = ""  # set when the request failed
-    num_cached_tokens: int = 0  # prefix-cache hit of its prompt
 
 
 @dataclass
@@ -244,7 +230,7 @@ class OpenAIServing:
         async def collect() -> list[Choice]:
             async with contextlib.aclosing(self._run(gens, ticket)) as deltas:
                 async for i, d in deltas:
-                    _apply(choices[i], d)
+                    choices[i].add(d)
             return choices
 
         task = asyncio.create_task(collect())
@@ -347,7 +333,7 @@ class OpenAIServing:
                         yield _sse_line(prelude)
                     async for i, d in deltas:
                         first = not choices[i].token_ids and not choices[i].text
-                        _apply(choices[i], d)
+                        choices[i].add(d)
                         if d.error:
                             yield _sse_line({"error": {"message": d.error,
                                                        "type": "server_error",
@@ -380,19 +366,6 @@ class _TicketedStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.ticket.close()
-
-
-def _apply(choice: Choice, d: OutputDelta) -> None:
-    choice.text += d.text
-    choice.token_ids.extend(d.token_ids)
-    if d.logprobs:
-        choice.logprobs.extend(d.logprobs)
-    if d.prompt_logprobs:
-        choice.prompt_logprobs.extend(d.prompt_logprobs)
-    choice.num_cached_tokens = d.num_cached_tokens
-    if d.finished:
-        choice.finish_reason = d.finish_reason
-        choice.error = d.error
 
 
 def _sse_line(body: dict) -> str:
