@@ -166,25 +166,8 @@ def _decoded_ahead(requests) -> Iterator[StepInput]:
     overlaps the device's work instead of following it. An error reading the stream (it was
     cancelled) is raised here, in order. The queue is unbounded: the controller bounds the steps
     in flight."""
-    ready: queue.SimpleQueue = queue.SimpleQueue()
-
-    def read() -> None:
-        try:
-            for request in requests:
-                ready.put(convert.step_from_pb(request))
-        except Exception as exc:  # the stream broke: surfaced to the step loop
-            ready.put(exc)
-        finally:
-            ready.put(_END)
-
-    threading.Thread(target=read, name="step-reader", daemon=True).start()
-    while True:
-        item = ready.get()
-        if item is _END:
-            return
-        if isinstance(item, Exception):
-            raise item
-        yield item
+    ready, _ = _on_thread((convert.step_from_pb(r) for r in requests), "step-reader")
+    yield from _drain(ready)
 
 
 def _run_ahead(steps: Iterator[StepInput], execute) -> Iterator:
@@ -193,30 +176,47 @@ def _run_ahead(steps: Iterator[StepInput], execute) -> Iterator:
     an asynchronous executor would (the send waits for gRPC's write to complete). Errors,
     ``_StepAborted`` included, are raised here after the outputs before them. When the consumer
     stops (the stream ended), no further step is started."""
-    ready: queue.SimpleQueue = queue.SimpleQueue()
     stopped = threading.Event()
+
+    def outputs():
+        for step in steps:
+            if stopped.is_set():
+                return
+            yield execute(step)
+
+    ready, runner = _on_thread(outputs(), "step-runner")
+    try:
+        yield from _drain(ready)
+    finally:
+        stopped.set()
+        runner.join(timeout=30)  # a step already started finishes before the stream counts closed
+
+
+def _on_thread(items: Iterator, name: str) -> tuple[queue.SimpleQueue, threading.Thread]:
+    """Iterate ``items`` on a daemon thread into a queue (see ``_drain``): its values in
+    order, then an exception it raised, then the end marker."""
+    ready: queue.SimpleQueue = queue.SimpleQueue()
 
     def run() -> None:
         try:
-            for step in steps:
-                if stopped.is_set():
-                    return
-                ready.put(execute(step))
-        except Exception as exc:
+            for item in items:
+                ready.put(item)
+        except Exception as exc:  # surfaced to the consumer, in order
             ready.put(exc)
         finally:
             ready.put(_END)
 
-    runner = threading.Thread(target=run, name="step-runner", daemon=True)
-    runner.start()
-    try:
-        while True:
-            item = ready.get()
-            if item is _END:
-                return
-            if isinstance(item, Exception):
-                raise item
-            yield item
-    finally:
-        stopped.set()
-        runner.join(timeout=30)  # a step already started finishes before the stream counts closed
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return ready, thread
+
+
+def _drain(ready: queue.SimpleQueue) -> Iterator:
+    """What ``_on_thread`` queued, until its end; an exception it queued is raised here."""
+    while True:
+        item = ready.get()
+        if item is _END:
+            return
+        if isinstance(item, Exception):
+            raise item
+        yield item
