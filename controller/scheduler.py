@@ -346,12 +346,8 @@ def _results(step: StepInput, output: StepOutput
     extras = {out.request_id: out for out in output.outputs}
     ids = [r.request_id for r in step.new_requests]
     ids += [r.request_id for r in step.cached_requests]
-    if not extras:
-        for request_id, token in zip(ids, output.sampled_token_ids):
-            yield request_id, (None if token < 0 else token), None
-        return
     for request_id, token in zip(ids, output.sampled_token_ids):
-        out = extras.get(request_id)
+        out = extras.get(request_id) if extras else None
         if out is not None:
             yield request_id, out.sampled_token_id, out
         else:
