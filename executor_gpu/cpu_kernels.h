@@ -13,6 +13,11 @@
 
 namespace tandem {
 
+// A vector of kLanes floats (one AVX-512 register; two AVX2 ones), aligned (Vec) or not (UVec).
+constexpr int64_t kLanes = 16;
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef float UVec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+
 // e^x in float32 for x in about [-87, 88] (clamped outside): Cody-Waite range reduction by
 // ln 2 and a degree-6 polynomial (within ~3 ulp); written without branches so loops over it
 // vectorize.

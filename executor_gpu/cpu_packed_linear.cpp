@@ -15,29 +15,28 @@
 namespace tandem {
 namespace {
 
-constexpr int64_t kLanes = 16;               // floats per vector
 constexpr int64_t kVecs = kPanel / kLanes;   // vectors per panel row
 #ifdef __AVX512F__
 constexpr int kRowTile = 6;  // 6 rows x 4 vectors of accumulators: 24 of the 32 registers
 #else
 constexpr int kRowTile = 2;  // 16 ymm registers hold 2 rows x 4 (double-width) vectors
 #endif
-constexpr int64_t kRowsPerTask = 32 * kRowTile;  // rows per task: a decode batch is one range
-
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));            // aligned
-typedef float UVec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));  // not
+constexpr int64_t kRowsPerTask = 32 * kRowTile;
+  // rows per task: a decode batch is one range
+constexpr int64_t kLinesPerRow = kPanel * sizeof(float) / 64;  // cache lines per panel row
 
 static_assert(kPanel % kLanes == 0, "a panel is whole vectors");
+static_assert(kLinesPerRow == 4, "the prefetching tiles cover 4 lines per panel row");
 
 // c[r][0..kPanel) = bias + sum_k x[r][k] * panel[k][0..kPanel) for rows r < kRows. (Full
 // 512-bit vectors even where the compiler would prefer 256-bit ones for auto-vectorization; the
 // loops are unrolled so that the accumulators live in registers.)
-template <int kRows>
+template <int kRows, int kFetch>
 #ifdef __AVX512F__
 __attribute__((target("prefer-vector-width=512")))
 #endif
 void panel_tile(const float* x, int64_t ldx, const float* panel, const float* bias, float* c,
-                int64_t ldc, int64_t depth) {
+                int64_t ldc, int64_t depth, const float* prefetch) {
   Vec acc[kRows][kVecs];
 #pragma GCC unroll 8
   for (int64_t v = 0; v < kVecs; ++v) {
@@ -50,6 +49,8 @@ void panel_tile(const float* x, int64_t ldx, const float* panel, const float* bi
     Vec wk[kVecs];
 #pragma GCC unroll 8
     for (int64_t v = 0; v < kVecs; ++v) wk[v] = w[v];
+#pragma GCC unroll 4
+    for (int l = 0; l < kFetch; ++l) __builtin_prefetch(prefetch + (k * kFetch + l) * kLanes);
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) {
       const float s = x[r * ldx + k];
@@ -64,12 +65,19 @@ void panel_tile(const float* x, int64_t ldx, const float* panel, const float* bi
       *reinterpret_cast<UVec*>(c + r * ldc + v * kLanes) = acc[r][v];
 }
 
-template <int... kRows>
-constexpr auto make_tiles(std::integer_sequence<int, kRows...>) {
-  using Fn = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t, int64_t);
-  return std::array<Fn, sizeof...(kRows)>{panel_tile<kRows + 1>...};
+using TileFn = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t,
+                        int64_t, const float*);
+template <int kFetch, int... kRows>
+constexpr std::array<TileFn, sizeof...(kRows)> make_tiles(std::integer_sequence<int, kRows...>) {
+  return {panel_tile<kRows + 1, kFetch>...};
 }
-constexpr auto kTiles = make_tiles(std::make_integer_sequence<int, kRowTile>{});
+// kTiles[f][n - 1]: the tile of n rows that prefetches kFetch = 0, 1, 2, 4 (f = 0..3) lines of
+// the next panel per panel row.
+constexpr std::array<std::array<TileFn, kRowTile>, 4> kTiles = {
+    make_tiles<0>(std::make_integer_sequence<int, kRowTile>{}),
+    make_tiles<1>(std::make_integer_sequence<int, kRowTile>{}),
+    make_tiles<2>(std::make_integer_sequence<int, kRowTile>{}),
+    make_tiles<4>(std::make_integer_sequence<int, kRowTile>{})};
 
 }  // namespace
 
@@ -114,10 +122,20 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed,
       const int64_t p = task % panels;
       const int64_t first = (task / panels) * kRowsPerTask;
       const int64_t last = std::min(rows, first + kRowsPerTask);
-      for (int64_t r = first; r < last; r += kRowTile) {
+      // While this panel's row tiles run, the first of them (up to kLinesPerRow) ask for the
+      // thread's next panel, a share of its cache lines each, so that it arrives from memory
+      // during the arithmetic instead of after it.
+      const int64_t tiles = (last - first + kRowTile - 1) / kRowTile;
+      const int64_t sharing = std::min(tiles, kLinesPerRow);
+      const int lines = static_cast<int>((kLinesPerRow + sharing - 1) / sharing);  // 4, 2, 2, 1
+      const float* next = task + 1 < end ? wp + ((task + 1) % panels) * depth * kPanel : nullptr;
+      for (int64_t r = first, i = 0; r < last; r += kRowTile, ++i) {
         const int n = static_cast<int>(std::min<int64_t>(kRowTile, last - r));
-        kTiles[n - 1](xp + r * ldx, ldx, wp + p * depth * kPanel, bp ? bp + p * kPanel : nullptr,
-                      op + r * width + p * kPanel, width, depth);
+        const bool fetch = next != nullptr && i * lines < kLinesPerRow;
+        const int f = fetch ? (lines == 4 ? 3 : lines) : 0;
+        kTiles[f][n - 1](xp + r * ldx, ldx, wp + p * depth * kPanel,
+                         bp ? bp + p * kPanel : nullptr, op + r * width + p * kPanel, width,
+                         depth, fetch ? next + i * depth * lines * kLanes : nullptr);
       }
     }
   });

@@ -14,8 +14,11 @@ pytestmark = pytest.mark.skipif(load_kernels() is None,
                                 reason="no C++ toolchain for the kernel")
 
 
+# Head sizes of whole 16-float vectors take the vectorized path (64, 32, 128, 80); others (24,
+# 144) the scalar one.
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (8, 8, 32, 4),
-                                                           (4, 1, 128, 16)])
+                                                           (4, 1, 128, 16), (6, 2, 80, 8),
+                                                           (6, 2, 24, 8), (2, 1, 144, 16)])
 @pytest.mark.parametrize("lens", [[1], [5, 17, 16, 33], [200] * 3 + [1, 64]])
 def test_kernel_matches_reference(heads, kv_heads, dim, block_size, lens):
     torch.manual_seed(len(lens) * heads)
