@@ -114,14 +114,17 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed,
   const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0);
+  // Row ranges of equal size (whole tiles), at most kRowsPerTask rows each: the threads split
+  // the tasks evenly, so unequal ranges would leave one thread waiting for the other.
   const int64_t row_tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t range = ((rows + row_tasks - 1) / row_tasks + kRowTile - 1) / kRowTile * kRowTile;
   // Tasks: (row range, panel), row-range-major: a thread keeps its rows in cache and streams
   // panels past them; a decode step is one row range, split by panel.
   at::parallel_for(0, panels * row_tasks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t p = task % panels;
-      const int64_t first = (task / panels) * kRowsPerTask;
-      const int64_t last = std::min(rows, first + kRowsPerTask);
+      const int64_t first = (task / panels) * range;
+      const int64_t last = std::min(rows, first + range);
       // While this panel's row tiles run, the first of them (up to kLinesPerRow) ask for the
       // thread's next panel, a share of its cache lines each, so that it arrives from memory
       // during the arithmetic instead of after it.
