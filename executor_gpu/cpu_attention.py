@@ -1,9 +1,10 @@
-"""The CPU's decode attention backend "cpu_paged" (kernel in cpu_paged_attention.cpp).
+"""The CPU's paged attention backend "cpu_paged" (kernel in cpu_paged_attention.cpp).
 
-The kernel reads keys and values in place in the paged cache instead of gathering a padded copy
-per step, and stores the decoding requests' new keys and values itself. Longer query chunks
-(prefills) use the torch implementation. Registered by ``register``; where the kernels cannot be
-built, the torch backend serves instead.
+The kernel stores the step's new keys and values and attends every request, decodes and prefill
+chunks alike, reading keys and values in place in the paged cache instead of gathering a padded
+copy per request. Head sizes it does not take (not whole 16-float vectors, or over 128), and
+steps with no cache yet (memory profiling), use the torch implementation. Registered by
+``register``; where the kernels cannot be built, the torch backend serves instead.
 """
 
 from __future__ import annotations
@@ -12,30 +13,30 @@ import torch
 
 from common.attention import (
     AttentionMetadata,
-    paged_attention_with,
     register_attention_backend,
+    torch_paged_attention,
 )
 from executor_gpu.cpu_kernels import load_kernels
 
 BACKEND_NAME = "cpu_paged"
 
 
-def decode_attention_of(module):
-    """The decode attention of the built kernels (bound once: no lookup per layer call)."""
-    kernel = module.paged_decode_attention
+def paged_attention_of(module):
+    """The attention backend over the built kernels (bound once: no lookup per layer call)."""
+    kernel, supports = module.paged_attention, module.paged_attention_supports
 
-    def decode(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, key: torch.Tensor | None = None,
-               value: torch.Tensor | None = None) -> torch.Tensor:
-        """Single-token requests' attention, [N, heads, d]; with ``key`` / ``value`` ([N,
-        kv_heads, d]) given, their cache slots are written first."""
-        n = query.shape[0]
-        slots = meta.slot_mapping[:n] if key is not None else None
-        return kernel(query, key, value, slots, kv_cache, meta.block_tables[:n],
-                      meta.seq_lens[:n], scale)
+    def backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor | None, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """query [T, heads, d], key / value [T, kv_heads, d] -> [T, heads, d]; the new keys
+        and values are written to ``meta.slot_mapping`` first."""
+        if kv_cache is None or not supports(query.shape[-1]):
+            return torch_paged_attention(query, key, value, kv_cache, meta, scale)
+        n = meta.num_requests
+        return kernel(query, key, value, meta.slot_mapping, kv_cache, meta.block_tables[:n],
+                      meta.seq_lens[:n], meta.query_start_loc[:n + 1], scale)
 
-    decode.stores_kv = True  # paged_attention_with leaves the decodes' KV writes to it
-    return decode
+    return backend
 
 
 def register() -> bool:
@@ -43,5 +44,5 @@ def register() -> bool:
     module = load_kernels()
     if module is None:
         return False
-    register_attention_backend(BACKEND_NAME, paged_attention_with(decode_attention_of(module)))
+    register_attention_backend(BACKEND_NAME, paged_attention_of(module))
     return True

@@ -2,12 +2,14 @@
 #include "cpu_kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &tandem::paged_decode_attention,
-        "Decode attention over a paged float32 KV cache, optionally storing the new keys and "
-        "values first",
+  m.def("paged_attention", &tandem::paged_attention,
+        "Causal attention of a step's query tokens over a paged float32 KV cache, optionally "
+        "storing their keys and values first",
         pybind11::arg("query"), pybind11::arg("new_key"), pybind11::arg("new_value"),
         pybind11::arg("slots"), pybind11::arg("kv_cache"), pybind11::arg("block_tables"),
-        pybind11::arg("seq_lens"), pybind11::arg("scale"));
+        pybind11::arg("seq_lens"), pybind11::arg("query_start_loc"), pybind11::arg("scale"));
+  m.def("paged_attention_supports", &tandem::paged_attention_supports,
+        "Whether paged_attention takes heads of this size");
   m.def("pack_linear_weight", &tandem::pack_linear_weight,
         "[in, out] weight -> column panels [out / 64, in, 64] for packed_linear");
   m.def("packed_linear", &tandem::packed_linear, "x @ weight (+ bias), weight packed",

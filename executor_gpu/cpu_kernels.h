@@ -40,13 +40,16 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
-// Decode attention read in place from the paged KV cache (cpu_paged_attention.cpp); with
-// new_key / new_value / slots given, the step's keys and values are stored first.
-torch::Tensor paged_decode_attention(torch::Tensor query, std::optional<torch::Tensor> new_key,
-                                     std::optional<torch::Tensor> new_value,
-                                     std::optional<torch::Tensor> slots, torch::Tensor kv_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens,
-                                     double scale);
+// Causal attention of a step's query tokens ([T, H, D]; request r's are query_start_loc[r] ..
+// query_start_loc[r + 1] - 1, the last of its seq_lens[r] tokens) read in place from the paged
+// KV cache; with new_key / new_value / slots ([T, KVH, D], [T]) given, the step's keys and
+// values are stored first (cpu_paged_attention.cpp). Head sizes: paged_attention_supports.
+bool paged_attention_supports(int64_t head_size);
+torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> new_key,
+                              std::optional<torch::Tensor> new_value,
+                              std::optional<torch::Tensor> slots, torch::Tensor kv_cache,
+                              torch::Tensor block_tables, torch::Tensor seq_lens,
+                              torch::Tensor query_start_loc, double scale);
 
 // Linear layers over weights packed into column panels (cpu_packed_linear.cpp):
 // pack_linear_weight([in, out]) -> [out / kPanel, in, kPanel]; packed_linear(x, packed, bias).

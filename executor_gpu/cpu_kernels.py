@@ -1,6 +1,6 @@
 """executor_gpu's CPU kernels (float32), compiled on first use.
 
-One C++ extension holds the decode attention over the paged cache (cpu_paged_attention.cpp) and
+One C++ extension holds the attention over the paged cache (cpu_paged_attention.cpp) and
 the model's fused per-layer elementwise ops (cpu_layer_ops.cpp). It is compiled once with
 torch's C++ extension tooling into ~/.cache/tandem/torch_extensions (or
 $TANDEM_EXTENSIONS_DIR); where it cannot be built (no compiler), the torch implementations

@@ -1,16 +1,21 @@
-// Decode attention straight from the paged KV cache on the CPU (float32).
+// Causal attention straight from the paged KV cache on the CPU (float32), for every request of
+// a step: decodes (one query token) and prefill chunks (several, after any cached tokens).
 //
-// The torch reference gathers every request's blocks into a padded copy, then runs SDPA over it:
-// at batch 64 that copy moves as many bytes per step as the weights. This kernel reads each key
-// and value once, where it lies, one (request, KV head) per task; query heads that share a KV head
-// (grouped-query attention) read the same key and value. Softmax is computed in float32
-// with the running maximum subtracted, as SDPA does. Given the step's new keys and values, each
-// task first stores its request's own (one slot per request), which saves a separate scatter.
+// The torch reference gathers every request's blocks into a padded copy, then runs SDPA over it
+// (at batch 64 that copy moves as many bytes per step as the weights; SDPA over one short
+// prefill runs at a few GFLOP/s). This kernel reads each key and value where it lies. A task is
+// one (request, KV head, run of query tokens); the query heads that share the KV head
+// (grouped-query attention) are attended together, their queries and accumulators held in
+// vector registers. For each query token: the dot products with its keys (16 tokens' at a
+// time, summed across lanes together), a softmax per head in float32 with the maximum
+// subtracted (as SDPA does), then the values weighted into the accumulators. Given the step's
+// new keys and values, they are stored first (one pass over the tokens), which saves a
+// separate scatter.
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
 
-#include <cmath>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -18,8 +23,12 @@
 namespace tandem {
 namespace {
 
-constexpr int kMaxHeadVecs = 8;  // head sizes up to 128 floats take the vectorized path
+constexpr int kMaxHeadVecs = 8;          // head sizes of 16..128 floats (whole vectors)
+constexpr int kRegisterVecs = 16;        // vectors of queries / accumulators held per pass
 constexpr int64_t kPrefetchTokens = 32;  // how far ahead the key loop asks for the next keys
+constexpr int64_t kQueryRun = 16;        // query tokens of one prefill per task
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // [N, heads, d] rows (any row stride, contiguous heads): the form the kernel reads.
 void check_heads(const torch::Tensor& t, const char* name) {
@@ -28,35 +37,17 @@ void check_heads(const torch::Tensor& t, const char* name) {
               ": [N, heads, d] with contiguous heads only");
 }
 
-
-// Where one KV head's keys lie for one request: token t's row is at
-// base + (table[t / block_size] * block_size + t % block_size) * row_elems (values at
-// value_offset past it).
-struct TokenRows {
-  const float* base;     // the cache's first key row, offset to this KV head
-  const int64_t* table;  // the request's block table
-  int64_t block_size;    // tokens per block
-  int64_t row_elems;     // floats per token slot (all KV heads)
-
-  const float* key(int64_t t) const {
-    return base + (table[t / block_size] * block_size + t % block_size) * row_elems;
-  }
-};
-
-// A thread's working memory for one (request, KV head) at a time.
+// A thread's working memory for one task at a time.
 struct Scratch {
-  std::vector<float> scores;  // [group, padded length] softmax numerators
-  std::vector<Vec> parts;     // [group, kLanes] per-token partial dot products
-  std::vector<Vec> acc;       // [group, kMaxHeadVecs] output accumulators
-  std::vector<float> totals;  // [group] softmax denominators
-  int64_t stride;             // padded length: scores row stride
+  std::vector<float> scores;       // [kRegisterVecs heads, padded length] softmax numerators
+  std::vector<Vec> parts;          // [kRegisterVecs heads, kLanes] partial dot products
+  std::vector<const float*> keys;  // [padded length] each token's key row
+  int64_t stride;                  // padded length: scores row stride
 
-  Scratch(int64_t group, int64_t max_len)
-      : stride((max_len + kLanes - 1) / kLanes * kLanes) {
-    scores.resize(group * stride);
-    parts.resize(group * kLanes);
-    acc.resize(group * kMaxHeadVecs);
-    totals.resize(group);
+  explicit Scratch(int64_t max_len) : stride((max_len + kLanes - 1) / kLanes * kLanes) {
+    scores.resize(kRegisterVecs * stride);
+    parts.resize(kRegisterVecs * kLanes);
+    keys.resize(stride);
   }
 };
 
@@ -87,81 +78,118 @@ inline Vec sum_lanes(const Vec* p) {
                                  15, 31);
 }
 
-// Attention of the `group` query heads that share one KV head, over `len` tokens, for heads
-// of kVecs vectors: the queries' dot products with each key (16 tokens' at a time, summed
-// across lanes together), a softmax per head, then the values weighted into accumulators.
-template <int kVecs>
+// One query token's attention for kHeads heads of kVecs vectors that share a KV head, over the
+// keys listed in `keys` (values at value_offset past each): q and out hold the heads' rows.
+template <int kVecs, int kHeads>
 #ifdef __AVX512F__
 __attribute__((target("prefer-vector-width=512")))
 #endif
-void attend_group(const float* q, const TokenRows& rows, int64_t value_offset, int64_t len,
-                  int64_t group, float scale, Scratch& s, float* out) {
+void attend_heads(const float* q, const float* const* keys, int64_t value_offset, int64_t len,
+                  float scale, Scratch& s, float* out) {
   constexpr int64_t dim = kVecs * kLanes;
   const int64_t stride = s.stride;
   Vec* parts = s.parts.data();
-  for (int64_t t = 0; t < std::min(len, kPrefetchTokens); ++t)  // the first keys, all at once
-    for (int v = 0; v < kVecs; ++v) __builtin_prefetch(rows.key(t) + v * kLanes);
+  float* scores = s.scores.data();
+  Vec qv[kHeads][kVecs];
+  for (int h = 0; h < kHeads; ++h)
+    for (int v = 0; v < kVecs; ++v) qv[h][v] = *reinterpret_cast<const UVec*>(q + h * dim + v * kLanes);
+
+  // Scores, 16 keys at a time; lanes past the last key are -inf (weight 0).
   for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, len - t0);
-    for (int64_t j = 0; j < kLanes; ++j) {
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kp = keys[t0 + j];
+      if (t0 + j + kPrefetchTokens < len)  // the keys ahead, and the values read next
+        for (int v = 0; v < kVecs; ++v) __builtin_prefetch(keys[t0 + j + kPrefetchTokens] + v * kLanes);
+      for (int v = 0; v < kVecs; ++v) __builtin_prefetch(kp + value_offset + v * kLanes);
       Vec k[kVecs];
-      if (j < n) {
-        const float* kp = rows.key(t0 + j);
-        if (t0 + j + kPrefetchTokens < len) {  // the keys ahead, and the values to be read next
-          const float* ahead = rows.key(t0 + j + kPrefetchTokens);
-          for (int v = 0; v < kVecs; ++v) __builtin_prefetch(ahead + v * kLanes);
-        }
-        for (int v = 0; v < kVecs; ++v) __builtin_prefetch(kp + value_offset + v * kLanes);
-        for (int v = 0; v < kVecs; ++v) k[v] = *reinterpret_cast<const UVec*>(kp + v * kLanes);
-      } else {
-        for (int v = 0; v < kVecs; ++v) k[v] = Vec{};
-      }
-      for (int64_t h = 0; h < group; ++h) {
-        const float* qh = q + h * dim;
-        Vec dot = *reinterpret_cast<const UVec*>(qh) * k[0];
-        for (int v = 1; v < kVecs; ++v) dot += *reinterpret_cast<const UVec*>(qh + v * kLanes) * k[v];
+      for (int v = 0; v < kVecs; ++v) k[v] = *reinterpret_cast<const UVec*>(kp + v * kLanes);
+      for (int h = 0; h < kHeads; ++h) {
+        Vec dot = qv[h][0] * k[0];
+        for (int v = 1; v < kVecs; ++v) dot += qv[h][v] * k[v];
         parts[h * kLanes + kBitReversed[j]] = dot;
       }
     }
-    for (int64_t h = 0; h < group; ++h) {
+    for (int64_t j = n; j < kLanes; ++j)
+      for (int h = 0; h < kHeads; ++h) parts[h * kLanes + kBitReversed[j]] = Vec{};
+    for (int h = 0; h < kHeads; ++h) {
       Vec sums = sum_lanes(parts + h * kLanes) * scale;
-      for (int64_t j = n; j < kLanes; ++j) sums[j] = -std::numeric_limits<float>::infinity();
-      *reinterpret_cast<UVec*>(s.scores.data() + h * stride + t0) = sums;
+      for (int64_t j = n; j < kLanes; ++j) sums[j] = kNegInf;
+      *reinterpret_cast<UVec*>(scores + h * stride + t0) = sums;
     }
   }
+
+  // Softmax numerators in place; their sums divide the output at the end.
   const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
-  float* totals = s.totals.data();
-  for (int64_t h = 0; h < group; ++h) {
-    float* row = s.scores.data() + h * stride;
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < len; ++t) top = row[t] > top ? row[t] : top;
+  float inv_total[kHeads];
+  for (int h = 0; h < kHeads; ++h) {
+    float* row = scores + h * stride;
+    Vec top = *reinterpret_cast<const UVec*>(row);
+    for (int64_t t = kLanes; t < padded; t += kLanes) {
+      const Vec x = *reinterpret_cast<const UVec*>(row + t);
+      top = x > top ? x : top;
+    }
+    float m = top[0];
+    for (int i = 1; i < kLanes; ++i) m = top[i] > m ? top[i] : m;
     float total = 0.f;
 #pragma omp simd reduction(+ : total)
     for (int64_t t = 0; t < padded; ++t) {
-      row[t] = exp_approx(row[t] - top);  // padding: e^-inf = 0
+      row[t] = exp_approx(row[t] - m);  // padding: e^-inf = 0
       total += row[t];
     }
-    totals[h] = total;
+    inv_total[h] = 1.f / total;
   }
-  Vec* acc = s.acc.data();
-  for (int64_t i = 0; i < group * kVecs; ++i) acc[i] = Vec{};
+
+  Vec acc[kHeads][kVecs] = {};
   for (int64_t t = 0; t < len; ++t) {
-    const float* vp = rows.key(t) + value_offset;
+    const float* vp = keys[t] + value_offset;
     Vec val[kVecs];
     for (int v = 0; v < kVecs; ++v) val[v] = *reinterpret_cast<const UVec*>(vp + v * kLanes);
-    for (int64_t h = 0; h < group; ++h) {
-      const float p = s.scores[h * stride + t];
-      for (int v = 0; v < kVecs; ++v) acc[h * kVecs + v] += p * val[v];
+    for (int h = 0; h < kHeads; ++h) {
+      const float p = scores[h * stride + t];
+      for (int v = 0; v < kVecs; ++v) acc[h][v] += p * val[v];
     }
   }
-  for (int64_t h = 0; h < group; ++h) {
-    const float inv = 1.f / totals[h];
+  for (int h = 0; h < kHeads; ++h)
     for (int v = 0; v < kVecs; ++v)
-      *reinterpret_cast<UVec*>(out + h * dim + v * kLanes) = acc[h * kVecs + v] * inv;
+      *reinterpret_cast<UVec*>(out + h * dim + v * kLanes) = acc[h][v] * inv_total[h];
+}
+
+// Every query head of `group` sharing one KV head, in passes of as many heads as registers
+// hold (kRegisterVecs / kVecs, at most 4).
+template <int kVecs>
+void attend_group(const float* q, const float* const* keys, int64_t value_offset, int64_t len,
+                  int64_t group, float scale, Scratch& s, float* out) {
+  constexpr int kMax = std::min(4, std::max(1, kRegisterVecs / kVecs));
+  constexpr int64_t dim = kVecs * kLanes;
+  for (int64_t h = 0; h < group;) {
+    const int64_t n = std::min<int64_t>(kMax, group - h);
+    const float* qh = q + h * dim;
+    float* oh = out + h * dim;
+    if constexpr (kMax >= 4)
+      if (n == 4) {
+        attend_heads<kVecs, 4>(qh, keys, value_offset, len, scale, s, oh);
+        h += 4;
+        continue;
+      }
+    if constexpr (kMax >= 3)
+      if (n == 3) {
+        attend_heads<kVecs, 3>(qh, keys, value_offset, len, scale, s, oh);
+        h += 3;
+        continue;
+      }
+    if constexpr (kMax >= 2)
+      if (n == 2) {
+        attend_heads<kVecs, 2>(qh, keys, value_offset, len, scale, s, oh);
+        h += 2;
+        continue;
+      }
+    attend_heads<kVecs, 1>(qh, keys, value_offset, len, scale, s, oh);
+    h += 1;
   }
 }
 
-using GroupKernel = void (*)(const float*, const TokenRows&, int64_t, int64_t, int64_t, float,
+using GroupKernel = void (*)(const float*, const float* const*, int64_t, int64_t, int64_t, float,
                              Scratch&, float*);
 template <int... kVecs>
 constexpr std::array<GroupKernel, sizeof...(kVecs)> make_group_kernels(
@@ -170,135 +198,127 @@ constexpr std::array<GroupKernel, sizeof...(kVecs)> make_group_kernels(
 }
 constexpr auto kGroupKernels = make_group_kernels(std::make_integer_sequence<int, kMaxHeadVecs>{});
 
+// One unit of work: a run of one request's query tokens against one KV head.
+struct Task {
+  int64_t request;  // index into the step's requests
+  int64_t kv_head;  // the KV head (its group of query heads)
+  int64_t first;    // first query token of the run, in the flat batch
+  int64_t last;     // one past its last
+};
+
 }  // namespace
 
-// query [N, H, D]; new_key / new_value [N, KVH, D] with slots [N] (int64), all or none;
-// kv_cache [2, num_blocks, block_size, KVH, D]; block_tables [N, max_blocks] (int64);
-// seq_lens [N] (int64). Returns [N, H, D].
-torch::Tensor paged_decode_attention(torch::Tensor query, std::optional<torch::Tensor> new_key,
-                                     std::optional<torch::Tensor> new_value,
-                                     std::optional<torch::Tensor> slots, torch::Tensor kv_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens,
-                                     double scale) {
+bool paged_attention_supports(int64_t head_size) {
+  return head_size % kLanes == 0 && head_size / kLanes <= kMaxHeadVecs;
+}
+
+torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> new_key,
+                              std::optional<torch::Tensor> new_value,
+                              std::optional<torch::Tensor> slots, torch::Tensor kv_cache,
+                              torch::Tensor block_tables, torch::Tensor seq_lens,
+                              torch::Tensor query_start_loc, double scale) {
   check_heads(query, "query");
   TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat && kv_cache.is_contiguous(),
               "kv_cache: contiguous float32 only");
   auto tables = block_tables.to(torch::kLong).contiguous();
   auto lens = seq_lens.to(torch::kLong).contiguous();
-  const int64_t n_req = query.size(0), heads = query.size(1), dim = query.size(2);
+  auto starts = query_start_loc.to(torch::kLong).contiguous();
+  const int64_t tokens = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t n_req = lens.numel();
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t kv_heads = kv_cache.size(3);
   TORCH_CHECK(heads % kv_heads == 0 && kv_cache.size(4) == dim, "shape mismatch");
+  TORCH_CHECK(paged_attention_supports(dim), "paged_attention: head size ", dim,
+              " is not a multiple of ", kLanes, " up to ", kLanes * kMaxHeadVecs);
+  TORCH_CHECK(starts.numel() == n_req + 1 && tables.size(0) >= n_req,
+              "query_start_loc [R + 1] and block_tables [R, ...] for seq_lens [R]");
   const int64_t group = heads / kv_heads;
   const int64_t max_blocks = tables.size(1);
   const int64_t value_offset = num_blocks * block_size * kv_heads * dim;
   const int64_t token_elems = kv_heads * dim;  // one token's keys (or values) in the cache
+  const int64_t* bt = tables.data_ptr<int64_t>();
+  const int64_t* sl = lens.data_ptr<int64_t>();
+  const int64_t* qs = starts.data_ptr<int64_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[n_req] == tokens, "query_start_loc must span the query tokens");
+  for (int64_t n = 0; n < n_req; ++n)
+    TORCH_CHECK(qs[n + 1] >= qs[n] && sl[n] >= qs[n + 1] - qs[n] &&
+                    sl[n] <= max_blocks * block_size,
+                "request ", n, ": its query tokens must fit its length and its block table");
+  float* kv = kv_cache.data_ptr<float>();
+
   const bool store = new_key.has_value();
   TORCH_CHECK(store == new_value.has_value() && store == slots.has_value(),
               "new_key, new_value and slots come together");
-  const float* nk = nullptr;
-  const float* nv = nullptr;
-  const int64_t* sp = nullptr;
-  int64_t nk_stride = 0, nv_stride = 0;
-  torch::Tensor slot_ids;
   if (store) {
     check_heads(*new_key, "new_key");
     check_heads(*new_value, "new_value");
-    slot_ids = slots->to(torch::kLong).contiguous();
-    TORCH_CHECK(new_key->size(0) == n_req && new_value->size(0) == n_req &&
-                    slot_ids.numel() == n_req && new_key->size(1) * new_key->size(2) == token_elems &&
+    auto slot_ids = slots->to(torch::kLong).contiguous();
+    TORCH_CHECK(new_key->size(0) == tokens && new_value->size(0) == tokens &&
+                    slot_ids.numel() == tokens &&
+                    new_key->size(1) * new_key->size(2) == token_elems &&
                     new_value->size(1) * new_value->size(2) == token_elems,
-                "new keys / values: one token of every KV head per request");
-    nk = new_key->data_ptr<float>();
-    nv = new_value->data_ptr<float>();
-    nk_stride = new_key->stride(0);
-    nv_stride = new_value->stride(0);
-    sp = slot_ids.data_ptr<int64_t>();
-    for (int64_t n = 0; n < n_req; ++n)
-      TORCH_CHECK(sp[n] >= 0 && sp[n] < num_blocks * block_size, "slot out of range");
+                "new keys / values: every KV head of every query token");
+    const float* nk = new_key->data_ptr<float>();
+    const float* nv = new_value->data_ptr<float>();
+    const int64_t nk_stride = new_key->stride(0), nv_stride = new_value->stride(0);
+    const int64_t* sp = slot_ids.data_ptr<int64_t>();
+    for (int64_t t = 0; t < tokens; ++t)
+      TORCH_CHECK(sp[t] >= 0 && sp[t] < num_blocks * block_size, "slot out of range");
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::memcpy(kv + sp[t] * token_elems, nk + t * nk_stride, token_elems * sizeof(float));
+      std::memcpy(kv + value_offset + sp[t] * token_elems, nv + t * nv_stride,
+                  token_elems * sizeof(float));
+    }
   }
-  auto out = torch::empty({n_req, heads, dim}, query.options());
+
+  // Prefill runs first (the longest work), then the decodes; threads take tasks in that order
+  // from a shared counter, so a long prefill does not leave the other thread idle.
+  std::vector<Task> tasks;
+  int64_t max_len = 1;
+  for (int pass = 0; pass < 2; ++pass)
+    for (int64_t n = 0; n < n_req; ++n) {
+      const bool single = qs[n + 1] - qs[n] == 1;
+      if (single != (pass == 1)) continue;
+      max_len = std::max(max_len, sl[n]);
+      for (int64_t first = qs[n]; first < qs[n + 1]; first += kQueryRun)
+        for (int64_t g = 0; g < kv_heads; ++g)
+          tasks.push_back({n, g, first, std::min(qs[n + 1], first + kQueryRun)});
+    }
+
+  auto out = torch::empty({tokens, heads, dim}, query.options());
   const float* q = query.data_ptr<float>();
   const int64_t q_stride = query.stride(0);
-  float* kv = kv_cache.data_ptr<float>();
-  const int64_t* bt = tables.data_ptr<int64_t>();
-  const int64_t* sl = lens.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-
-  if (dim % kLanes == 0 && dim / kLanes <= kMaxHeadVecs) {
-    // One task per (request, KV head): even a single request splits across threads.
-    const GroupKernel kernel = kGroupKernels[dim / kLanes - 1];
-    at::parallel_for(0, n_req * kv_heads, 1, [&](int64_t begin, int64_t end) {
-      Scratch scratch(group, max_blocks * block_size);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t n = task / kv_heads, g = task % kv_heads;
-        const int64_t head_offset = g * dim;  // this KV head's place in a token's row
-        if (store) {
-          std::memcpy(kv + sp[n] * token_elems + head_offset, nk + n * nk_stride + head_offset,
-                      dim * sizeof(float));
-          std::memcpy(kv + value_offset + sp[n] * token_elems + head_offset,
-                      nv + n * nv_stride + head_offset, dim * sizeof(float));
+  const GroupKernel kernel = kGroupKernels[dim / kLanes - 1];
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks.size());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch scratch(max_len);
+    int64_t listed = -1;  // the request whose key rows scratch.keys holds
+    for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(tasks.size());
+         i = next.fetch_add(1)) {
+      const Task& task = tasks[i];
+      const int64_t n = task.request, len = sl[n];
+      const float* base = kv + task.kv_head * dim;
+      if (listed != n * kv_heads + task.kv_head) {  // key rows, block by block
+        const int64_t* table = bt + n * max_blocks;
+        for (int64_t first = 0, b = 0; first < len; first += block_size, ++b) {
+          const float* row = base + table[b] * block_size * token_elems;
+          for (int64_t j = 0; j < std::min(block_size, len - first); ++j) {
+            scratch.keys[first + j] = row + j * token_elems;
+            if (first + j < kPrefetchTokens)  // the first keys now; the loop asks for the rest
+              for (int64_t v = 0; v < dim; v += kLanes) __builtin_prefetch(row + j * token_elems + v);
+          }
         }
-        const TokenRows rows{kv + head_offset, bt + n * max_blocks, block_size, token_elems};
-        kernel(q + n * q_stride + g * group * dim, rows, value_offset, sl[n], group, sc,
-               scratch, o + (n * heads + g * group) * dim);
+        listed = n * kv_heads + task.kv_head;
       }
-    });
-    return out;
-  }
-  // Head sizes that are not whole vectors: one task per request, all heads together.
-  at::parallel_for(0, n_req, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(heads * dim);
-    for (int64_t n = begin; n < end; ++n) {
-      if (store) {
-        std::memcpy(kv + sp[n] * token_elems, nk + n * nk_stride, token_elems * sizeof(float));
-        std::memcpy(kv + value_offset + sp[n] * token_elems, nv + n * nv_stride,
-                    token_elems * sizeof(float));
+      const int64_t cached = len - (qs[n + 1] - qs[n]);  // tokens before the query chunk
+      for (int64_t t = task.first; t < task.last; ++t) {
+        const int64_t head = task.kv_head * group;
+        kernel(q + t * q_stride + head * dim, scratch.keys.data(), value_offset,
+               cached + (t - qs[n]) + 1, group, sc, scratch, o + (t * heads + head) * dim);
       }
-      const int64_t len = sl[n];
-      const float* qn = q + n * q_stride;
-      scores.assign(heads * len, 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = bt[n * max_blocks + t / block_size];
-        const float* k_tok = kv + (block * block_size + t % block_size) * kv_heads * dim;
-        for (int64_t h = 0; h < heads; ++h) {
-          const float* k = k_tok + (h / group) * dim;
-          const float* qh = qn + h * dim;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < dim; ++d) s += qh[d] * k[d];
-          scores[h * len + t] = s * sc;
-        }
-      }
-      for (int64_t h = 0; h < heads; ++h) {
-        float* row = scores.data() + h * len;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) top = row[t] > top ? row[t] : top;
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < len; ++t) {
-          row[t] = exp_approx(row[t] - top);
-          total += row[t];
-        }
-        const float inv = 1.f / total;
-        for (int64_t t = 0; t < len; ++t) row[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = bt[n * max_blocks + t / block_size];
-        const float* v_tok =
-            kv + value_offset + (block * block_size + t % block_size) * kv_heads * dim;
-        for (int64_t h = 0; h < heads; ++h) {
-          const float p = scores[h * len + t];
-          const float* v = v_tok + (h / group) * dim;
-          float* a = acc.data() + h * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) a[d] += p * v[d];
-        }
-      }
-      std::copy(acc.begin(), acc.end(), o + n * heads * dim);
     }
   });
   return out;

@@ -8,8 +8,8 @@ pass (``common.sampling``), one device-to-host copy of the results.
 On CUDA it uses executor_gpu's Triton kernels: decode attention over the paged cache
 ("triton_paged") and the fused per-layer ops (``triton_layer_ops``), and replays pure decode
 steps from CUDA graphs (``cuda_graphs``; not with enforce_eager). On the CPU in float32 it uses
-the C++ kernels where they build: decode attention ("cpu_paged") and the fused per-layer ops
-(``cpu_layer_ops``). TANDEM_CUDA_KERNELS=0 / TANDEM_CPU_KERNELS=0 keep the torch
+the C++ kernels where they build: paged attention of decodes and prefill chunks ("cpu_paged")
+and the fused per-layer ops (``cpu_layer_ops``). TANDEM_CUDA_KERNELS=0 / TANDEM_CPU_KERNELS=0 keep the torch
 implementations.
 """
 
@@ -73,11 +73,11 @@ class GPUModelRunner(TorchModelRunner):
                 triton_attention.register()
                 self.attention_backend = triton_attention.BACKEND_NAME
                 self.fused_ops = triton_layer_ops.CUDA_LAYER_OPS
-        # On the CPU in float32: the C++ kernels for decode attention and the layer ops.
+        # On the CPU in float32: the C++ kernels for attention and the layer ops.
         if self.device.type == "cpu" and config.dtype == "float32" and cpu_kernels.enabled():
             from executor_gpu import cpu_attention, cpu_layer_ops
 
-            if cpu_attention.register():  # decode attention in place in the paged cache
+            if cpu_attention.register():  # attention in place in the paged cache
                 self.attention_backend = cpu_attention.BACKEND_NAME
                 self.fused_ops = cpu_layer_ops.layer_ops()
 

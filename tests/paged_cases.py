@@ -29,18 +29,29 @@ def decode_meta(lens: list[int], block_size: int, num_blocks: int, seed: int,
         seq_lens_host=list(lens))
 
 
-def mixed_meta(block_size: int, num_blocks: int, seed: int) -> AttentionMetadata:
-    """Two decodes (9 and 14 tokens) then a request computing its last 3 of 7 tokens: five new
-    tokens, each with its cache slot."""
-    lens, new = [9, 14, 7], [1, 1, 3]
+def step_meta(lens: list[int], new: list[int], block_size: int, num_blocks: int,
+              seed: int) -> AttentionMetadata:
+    """A step in which request i computes its last ``new[i]`` of ``lens[i]`` tokens (1: a
+    decode; all: a prefill from scratch; else a chunk after cached tokens), on random blocks
+    as in ``decode_meta``, each new token with its cache slot."""
     meta = decode_meta(lens, block_size, num_blocks, seed)
-    meta.num_decodes = 2
-    meta.query_start_loc_host = [0, 1, 2, 5]
+    meta.num_decodes = 0
+    while meta.num_decodes < len(new) and new[meta.num_decodes] == 1:
+        meta.num_decodes += 1
+    meta.query_start_loc_host = [0]
+    for k in new:
+        meta.query_start_loc_host.append(meta.query_start_loc_host[-1] + k)
     meta.query_start_loc = torch.tensor(meta.query_start_loc_host)
     meta.slot_mapping = torch.tensor([
         int(meta.block_tables[i, pos // block_size]) * block_size + pos % block_size
         for i, (n, k) in enumerate(zip(lens, new)) for pos in range(n - k, n)])
     return meta
+
+
+def mixed_meta(block_size: int, num_blocks: int, seed: int) -> AttentionMetadata:
+    """Two decodes (9 and 14 tokens) then a request computing its last 3 of 7 tokens: five new
+    tokens, each with its cache slot."""
+    return step_meta([9, 14, 7], [1, 1, 3], block_size, num_blocks, seed)
 
 
 def last_token_slots(meta: AttentionMetadata) -> torch.Tensor:
