@@ -25,6 +25,7 @@ namespace {
 
 constexpr int kMaxHeadVecs = 8;          // head sizes of 16..128 floats (whole vectors)
 constexpr int kRegisterVecs = 16;        // vectors of queries / accumulators held per pass
+constexpr int kMaxPassHeads = 4;         // query heads attended together in one pass
 constexpr int64_t kPrefetchTokens = 32;  // how far ahead the key loop asks for the next keys
 constexpr int64_t kQueryRun = 16;        // query tokens of one prefill per task
 
@@ -39,14 +40,14 @@ void check_heads(const torch::Tensor& t, const char* name) {
 
 // A thread's working memory for one task at a time.
 struct Scratch {
-  std::vector<float> scores;       // [kRegisterVecs heads, padded length] softmax numerators
-  std::vector<Vec> parts;          // [kRegisterVecs heads, kLanes] partial dot products
+  std::vector<float> scores;       // [kMaxPassHeads, padded length] softmax numerators
+  std::vector<Vec> parts;          // [kMaxPassHeads, kLanes] partial dot products
   std::vector<const float*> keys;  // [padded length] each token's key row
   int64_t stride;                  // padded length: scores row stride
 
   explicit Scratch(int64_t max_len) : stride((max_len + kLanes - 1) / kLanes * kLanes) {
-    scores.resize(kRegisterVecs * stride);
-    parts.resize(kRegisterVecs * kLanes);
+    scores.resize(kMaxPassHeads * stride);
+    parts.resize(kMaxPassHeads * kLanes);
     keys.resize(stride);
   }
 };
@@ -156,11 +157,11 @@ void attend_heads(const float* q, const float* const* keys, int64_t value_offset
 }
 
 // Every query head of `group` sharing one KV head, in passes of as many heads as registers
-// hold (kRegisterVecs / kVecs, at most 4).
+// hold (kRegisterVecs / kVecs, at most kMaxPassHeads).
 template <int kVecs>
 void attend_group(const float* q, const float* const* keys, int64_t value_offset, int64_t len,
                   int64_t group, float scale, Scratch& s, float* out) {
-  constexpr int kMax = std::min(4, std::max(1, kRegisterVecs / kVecs));
+  constexpr int kMax = std::min(kMaxPassHeads, std::max(1, kRegisterVecs / kVecs));
   constexpr int64_t dim = kVecs * kLanes;
   for (int64_t h = 0; h < group;) {
     const int64_t n = std::min<int64_t>(kMax, group - h);
