@@ -35,10 +35,9 @@ class _DeviceThread:
 
     On the CPU this keeps a single OpenMP team: each thread that starts a parallel region gets
     a team of its own, and once the process holds more OpenMP threads than cores, libgomp cuts
-    its workers' spinning between regions to almost nothing, whatever the wait policy. Where
-    spinning is chosen (executor_gpu/__main__.py), the team's worker then stays awake through
-    the hundreds of parallel regions of a step instead of being woken for each (a batch-16
-    step alone here: ~60 ms on 1.99 cores spinning, ~70 ms on 1.5 cores woken).
+    its workers' spinning between regions to almost nothing. The team's worker then sleeps and
+    must be woken for each of the hundreds of parallel regions in a step (both cores busy:
+    1.99 cores and ~60 ms per batch-16 step against 1.5 cores and ~70 ms, measured here).
     """
 
     def __init__(self) -> None:
