@@ -1,7 +1,6 @@
 """The Executor gRPC servicer, written once against WorkerBase.
 
-Thin by design: protobuf in, domain objects to the worker, protobuf out. Every call into the
-worker runs on one long-lived device thread (``_DeviceThread``). One controller session
+Thin by design: protobuf in, domain objects to the worker, protobuf out. One controller session
 at a time: InitDevice starts a new session (resetting request state), and every ExecuteModel
 stream replaces the one before it. A replaced stream runs no further step: its next request
 ends it with ABORTED, so two controllers never drive the device at once.
@@ -13,9 +12,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from collections.abc import Iterator
 
 import grpc
 
@@ -27,33 +24,12 @@ from common.worker_base import WorkerBase
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-
-class _DeviceThread:
-    """Runs every call into the worker on one thread that lives as long as the servicer.
-
-    On the CPU this keeps a single OpenMP team: each thread that starts a parallel region gets
-    a team of its own, and once the process holds more OpenMP threads than cores, libgomp cuts
-    its workers' spinning between regions to almost nothing. The team's worker then sleeps and
-    must be woken for each of the hundreds of parallel regions in a step (both cores busy:
-    1.99 cores and ~60 ms per batch-16 step against 1.5 cores and ~70 ms, measured here).
-    """
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device")
-
-    def call(self, fn: Callable[..., T], *args) -> T:
-        """``fn(*args)`` on the device thread; its result, or its exception raised here."""
-        return self._pool.submit(fn, *args).result()
-
 
 class ExecutorServicer(pb_grpc.ExecutorServicer):
     """Serves one worker; device calls are serialized by a lock."""
 
     def __init__(self, worker: WorkerBase):
         self.worker = worker  # the device worker
-        self._device = _DeviceThread()  # where every worker call runs
         self._lock = threading.Lock()  # one device call at a time
         self._session = 0  # bumped by every InitDevice; older streams end
         self._stream = 0  # bumped by every ExecuteModel; older streams end
@@ -63,25 +39,22 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
     def load(self) -> None:
         """Bind the device and load the weights (at startup, before reporting SERVING)."""
         with self._lock:
-            self._device.call(self._ensure_loaded)
+            self._ensure_loaded()
 
     def _ensure_loaded(self) -> None:
         if self.worker.model_runner is None:
             self.worker.init_device()
         self.worker.load_model()
 
-    def _init_device(self, request: pb.InitDeviceRequest):
-        self._ensure_loaded()
-        self.worker.configure(
-            request.max_num_batched_tokens, request.max_num_seqs, request.max_model_len
-        )
-        self.worker.reset()
-        return self.worker.describe()
-
     def InitDevice(self, request: pb.InitDeviceRequest, context) -> pb.InitDeviceResponse:
         with self._lock:
             self._session += 1
-            info = self._device.call(self._init_device, request)
+            self._ensure_loaded()
+            self.worker.configure(
+                request.max_num_batched_tokens, request.max_num_seqs, request.max_model_len
+            )
+            self.worker.reset()
+            info = self.worker.describe()
         log.info(
             "session %d: InitDevice from %s (%s %s, incarnation %s)",
             self._session, context.peer(), info.device_kind, info.device_name,
@@ -91,8 +64,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
     def ProfileMemory(self, request, context) -> pb.ProfileMemoryResponse:
         with self._lock:
-            self._device.call(self._ensure_loaded)
-            profile = self._device.call(self.worker.determine_available_memory)
+            self._ensure_loaded()
+            profile = self.worker.determine_available_memory()
         log.info("profiled: %.1f MiB for the KV cache", profile.available_kv_bytes / 2**20)
         return convert.memory_profile_to_pb(profile)
 
@@ -100,8 +73,8 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         if request.num_blocks < 2:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_blocks must be at least 2")
         with self._lock:
-            self._device.call(self._ensure_loaded)
-            seconds, graphs = self._device.call(self.worker.initialize_cache, request.num_blocks)
+            self._ensure_loaded()
+            seconds, graphs = self.worker.initialize_cache(request.num_blocks)
         log.info(
             "cache: %d blocks; warm-up %.2fs, %d graphs", request.num_blocks, seconds, graphs
         )
@@ -166,7 +139,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 log.warning("session %d: step stream %d ends: %s", session, stream, replaced)
                 raise _StepAborted(grpc.StatusCode.ABORTED, replaced)
             try:
-                output = self._device.call(self.worker.execute_model, step)
+                output = self.worker.execute_model(step)
             except Exception as exc:  # the whole step failed: the controller retries
                 log.exception("step %d failed", step.step_id)
                 raise _StepAborted(grpc.StatusCode.INTERNAL,
