@@ -9,8 +9,8 @@ On CUDA it uses executor_gpu's Triton kernels: decode attention over the paged c
 ("triton_paged") and the fused per-layer ops (``triton_layer_ops``), and replays pure decode
 steps from CUDA graphs (``cuda_graphs``; not with enforce_eager). On the CPU in float32 it uses
 the C++ kernels where they build: paged attention of decodes and prefill chunks ("cpu_paged")
-and the fused per-layer ops (``cpu_layer_ops``). TANDEM_CUDA_KERNELS=0 / TANDEM_CPU_KERNELS=0 keep the torch
-implementations.
+and the fused per-layer ops (``cpu_layer_ops``). TANDEM_CUDA_KERNELS=0 / TANDEM_CPU_KERNELS=0
+keep the torch implementations.
 """
 
 from __future__ import annotations
