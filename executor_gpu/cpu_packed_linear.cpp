@@ -21,8 +21,7 @@ constexpr int kRowTile = 6;  // 6 rows x 4 vectors of accumulators: 24 of the 32
 #else
 constexpr int kRowTile = 2;  // 16 ymm registers hold 2 rows x 4 (double-width) vectors
 #endif
-constexpr int64_t kRowsPerTask = 32 * kRowTile;
-  // rows per task: a decode batch is one range
+constexpr int64_t kRowsPerTask = 32 * kRowTile;  // rows per task: a decode batch is one range
 constexpr int64_t kLinesPerRow = kPanel * sizeof(float) / 64;  // cache lines per panel row
 
 static_assert(kPanel % kLanes == 0, "a panel is whole vectors");

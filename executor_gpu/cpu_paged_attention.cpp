@@ -156,6 +156,16 @@ void attend_heads(const float* q, const float* const* keys, int64_t value_offset
       *reinterpret_cast<UVec*>(out + h * dim + v * kLanes) = acc[h][v] * inv_total[h];
 }
 
+// attend_heads for n (1..kHeads) heads, n known only at run time.
+template <int kVecs, int kHeads>
+void attend_n_heads(int64_t n, const float* q, const float* const* keys, int64_t value_offset,
+                    int64_t len, float scale, Scratch& s, float* out) {
+  if constexpr (kHeads > 1)
+    if (n < kHeads)
+      return attend_n_heads<kVecs, kHeads - 1>(n, q, keys, value_offset, len, scale, s, out);
+  attend_heads<kVecs, kHeads>(q, keys, value_offset, len, scale, s, out);
+}
+
 // Every query head of `group` sharing one KV head, in passes of as many heads as registers
 // hold (kRegisterVecs / kVecs, at most kMaxPassHeads).
 template <int kVecs>
@@ -163,31 +173,9 @@ void attend_group(const float* q, const float* const* keys, int64_t value_offset
                   int64_t group, float scale, Scratch& s, float* out) {
   constexpr int kMax = std::min(kMaxPassHeads, std::max(1, kRegisterVecs / kVecs));
   constexpr int64_t dim = kVecs * kLanes;
-  for (int64_t h = 0; h < group;) {
-    const int64_t n = std::min<int64_t>(kMax, group - h);
-    const float* qh = q + h * dim;
-    float* oh = out + h * dim;
-    if constexpr (kMax >= 4)
-      if (n == 4) {
-        attend_heads<kVecs, 4>(qh, keys, value_offset, len, scale, s, oh);
-        h += 4;
-        continue;
-      }
-    if constexpr (kMax >= 3)
-      if (n == 3) {
-        attend_heads<kVecs, 3>(qh, keys, value_offset, len, scale, s, oh);
-        h += 3;
-        continue;
-      }
-    if constexpr (kMax >= 2)
-      if (n == 2) {
-        attend_heads<kVecs, 2>(qh, keys, value_offset, len, scale, s, oh);
-        h += 2;
-        continue;
-      }
-    attend_heads<kVecs, 1>(qh, keys, value_offset, len, scale, s, oh);
-    h += 1;
-  }
+  for (int64_t h = 0; h < group; h += kMax)
+    attend_n_heads<kVecs, kMax>(std::min<int64_t>(kMax, group - h), q + h * dim, keys,
+                                value_offset, len, scale, s, out + h * dim);
 }
 
 using GroupKernel = void (*)(const float*, const float* const*, int64_t, int64_t, int64_t, float,
