@@ -32,9 +32,8 @@ def paged_attention_of(module):
         and values are written to ``meta.slot_mapping`` first."""
         if kv_cache is None or not supports(query.shape[-1]):
             return torch_paged_attention(query, key, value, kv_cache, meta, scale)
-        n = meta.num_requests
-        return kernel(query, key, value, meta.slot_mapping, kv_cache, meta.block_tables[:n],
-                      meta.seq_lens[:n], meta.query_start_loc[:n + 1], scale)
+        return kernel(query, key, value, meta.slot_mapping, kv_cache, meta.block_tables,
+                      meta.seq_lens, meta.query_start_loc, scale)
 
     return backend
 
