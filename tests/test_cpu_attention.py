@@ -8,7 +8,7 @@ import torch
 from common.attention import get_attention_backend, torch_paged_attention
 from executor_gpu import cpu_attention
 from executor_gpu.cpu_kernels import load_kernels
-from tests.paged_cases import decode_meta, last_token_slots, step_meta
+from tests.paged_cases import step_meta
 
 pytestmark = pytest.mark.skipif(load_kernels() is None,
                                 reason="no C++ toolchain for the kernel")
@@ -42,8 +42,7 @@ def test_decodes_match_the_reference(heads, kv_heads, dim, block_size, lens):
     """A decode step: each request's new key and value stored, then attended with the rest."""
     torch.manual_seed(len(lens) * heads)
     num_blocks = 256
-    meta = decode_meta(lens, block_size, num_blocks, seed=heads)
-    meta.slot_mapping = last_token_slots(meta)
+    meta = step_meta(lens, [1] * len(lens), block_size, num_blocks, seed=heads)
     (got, expected), (got_cache, expected_cache) = run_both(
         meta, heads, kv_heads, dim, block_size, num_blocks, dim ** -0.5)
     assert torch.equal(got_cache, expected_cache)
