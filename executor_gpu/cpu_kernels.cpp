@@ -20,5 +20,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "residual += x in place, then RMSNorm of residual times weight");
   m.def("rotary_", &tandem::rotary_,
         "Rotate the first num_heads heads of each token in place (half-split RoPE)");
+  m.def("decoder_stack", &tandem::decoder_stack,
+        "Every decoder layer and the final norm of a Llama-family model over a step's "
+        "embeddings (the GIL released)",
+        pybind11::arg("x"), pybind11::arg("layers"), pybind11::arg("final_norm"),
+        pybind11::arg("positions"), pybind11::arg("cos_sin"), pybind11::arg("slots"),
+        pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
+        pybind11::arg("query_start_loc"), pybind11::arg("num_heads"),
+        pybind11::arg("num_kv_heads"), pybind11::arg("eps"), pybind11::arg("scale"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.attr("DECODER_STACK_TENSORS_PER_LAYER") = tandem::decoder_stack_tensors_per_layer();
   m.def("silu_and_mul", &tandem::silu_and_mul, "silu(gate) * up of gate|up rows");
 }

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <optional>
 #include <utility>
+#include <vector>
 
 namespace tandem {
 
@@ -65,5 +66,16 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tens
 void rotary_(torch::Tensor qkv, int64_t num_heads, torch::Tensor positions,
              torch::Tensor cos_sin);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+
+// All decoder layers of a Llama-family model and its final norm over a step's embeddings x
+// [T, hidden], the kernels above called in the Python model's order (cpu_decoder_stack.cpp).
+// `layers` holds decoder_stack_tensors_per_layer() tensors per layer.
+int64_t decoder_stack_tensors_per_layer();
+torch::Tensor decoder_stack(torch::Tensor x, const std::vector<torch::Tensor>& layers,
+                            torch::Tensor final_norm, torch::Tensor positions,
+                            torch::Tensor cos_sin, torch::Tensor slots,
+                            torch::Tensor block_tables, torch::Tensor seq_lens,
+                            torch::Tensor query_start_loc, int64_t num_heads,
+                            int64_t num_kv_heads, double eps, double scale);
 
 }  // namespace tandem

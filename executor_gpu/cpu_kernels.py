@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [os.path.join(_HERE, name) for name in (
-    "cpu_kernels.cpp", "cpu_paged_attention.cpp", "cpu_layer_ops.cpp", "cpu_packed_linear.cpp")]
+    "cpu_kernels.cpp", "cpu_paged_attention.cpp", "cpu_layer_ops.cpp", "cpu_packed_linear.cpp",
+    "cpu_decoder_stack.cpp")]
 # -fopenmp: at::parallel_for splits work over torch's OpenMP team (without it, it runs on one
 # thread; the linker's libgomp.so.1 is the one torch already loaded); -fno-trapping-math lets
 # branch-free selects vectorize.

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from common.attention import AttentionMetadata
+from common.attention import AttentionMetadata, get_attention_backend
 from common.config import ExecutorConfig, ModelGeometry
 from common.input_batch import RequestState, ScheduledRow, StepBatch
 from common.sampling import (
@@ -86,6 +86,12 @@ class GPUModelRunner(TorchModelRunner):
         super().load_model()
         if self.fused_ops is not None:
             self.model.set_layer_ops(self.fused_ops)
+        if self.fused_ops is not None and self.fused_ops.name == "cpu_fused":
+            from executor_gpu import cpu_decoder_stack  # the layers in one kernel call
+
+            self.model.set_stack_forward(cpu_decoder_stack.stack_forward_of(
+                cpu_kernels.load_kernels(), self.model,
+                get_attention_backend(self.attention_backend)))
 
     def after_kv_cache_allocated(self) -> None:
         """Graphs captured over the old cache tensors are dropped (capture_model recaptures)."""

@@ -13,6 +13,7 @@ to the full context, which matches those models for sequences within the window.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -290,6 +291,9 @@ class LlamaForCausalLM(nn.Module):
         self.layer_ops: LayerOps = TORCH_LAYER_OPS
         # The output embedding in the form layer_ops.logits takes (None: lm_head.weight as is).
         self.logits_weight: torch.Tensor | None = None
+        # A device's whole-stack forward, (embeddings, positions, metadata) -> the final-normed
+        # hidden states, or None where it does not apply (then the layers run one by one).
+        self.stack_forward: Callable[..., torch.Tensor | None] | None = None
         self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False,
                                  dtype=dtype)
         if self.args.tie_word_embeddings:
@@ -326,6 +330,11 @@ class LlamaForCausalLM(nn.Module):
         if self.logits_weight is not None and not self.args.tie_word_embeddings:
             self.lm_head.weight.data = prepared  # the original is needed no more
 
+    def set_stack_forward(self, fn: Callable[..., torch.Tensor | None] | None) -> None:
+        """Run the decoder layers and final norm through ``fn`` where it applies; it must compute
+        what the layers compute (see ``forward``)."""
+        self.stack_forward = fn
+
     def set_attention_backend(self, name: str) -> None:
         """Select the attention implementation registered under ``name``."""
         backend = get_attention_backend(name)
@@ -336,6 +345,10 @@ class LlamaForCausalLM(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] (after the final norm) of a flat batch of T tokens."""
         x = self.model.embed_tokens(input_ids)
+        if self.stack_forward is not None:
+            hidden = self.stack_forward(x, positions, attn_metadata)
+            if hidden is not None:
+                return hidden
         rope = self.layer_ops.rope_for_step(self.model.rotary.cos_sin, positions, x.dtype)
         residual = None
         for layer in self.model.layers:
