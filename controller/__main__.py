@@ -36,6 +36,9 @@ def parse_args(argv=None) -> ControllerConfig:
     p.add_argument("--max-model-len", type=int, default=0, help="0 = the model's own")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="cap one request's prefill chunk (0 = none)")
+    p.add_argument("--step-time-target", type=float, default=0.5,
+                   help="seconds a step should take: executors whose measured cost would make "
+                        "a full token budget slower get fewer tokens per step (0 = off)")
     p.add_argument("--num-kv-blocks", type=int, default=0,
                    help="override the profiled KV block count (0 = profiled)")
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -98,6 +101,7 @@ def parse_args(argv=None) -> ControllerConfig:
         max_num_seqs=a.max_num_seqs,
         max_model_len=a.max_model_len,
         long_prefill_token_threshold=a.long_prefill_token_threshold,
+        step_time_target=a.step_time_target,
         num_kv_blocks=a.num_kv_blocks,
         enable_prefix_caching=not a.no_prefix_caching,
         policy=a.policy,

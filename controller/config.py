@@ -18,6 +18,9 @@ class ControllerConfig:
     max_num_seqs: int = 128  # most requests in one step
     max_model_len: int = 0  # longest sequence; 0 = the model's own
     long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk; 0 = none
+    # Seconds a step should take at most: an executor whose measured step cost would make a
+    # full budget slower gets fewer tokens per step (chunked prefill only); 0 = the full budget.
+    step_time_target: float = 0.5
     num_kv_blocks: int = 0  # override the profiled KV block count (testing); 0 = profiled
     enable_prefix_caching: bool = True  # reuse KV blocks of shared prefixes
     policy: str = "fcfs"  # scheduling policy: fcfs or priority

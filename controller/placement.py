@@ -112,6 +112,11 @@ class StepCostModel:
         overhead, per_token = self.coefficients()
         return overhead + per_token * tokens
 
+    def tokens_within(self, seconds: float) -> int:
+        """The most tokens a step may schedule and still be predicted to take `seconds`."""
+        overhead, per_token = self.coefficients()
+        return max(0, int((seconds - overhead) / per_token))
+
     @property
     def tokens_per_second(self) -> float:
         """Tokens computed per busy second, recent steps weighted most (0 before any step)."""

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_MIN_STEP_BUDGET = 128  # fewest tokens a step-time target leaves a step (see _token_budget)
+
 
 class RunnerState(enum.Enum):
     """Where an executor session stands."""
@@ -336,6 +338,7 @@ class ExecutorRunner:
         sched = self.scheduler
         assert sched is not None
         depth = self.engine.config.pipeline_depth if sched.supports_pipelining else 1
+        target = self.engine.config.step_time_target
         inflight: deque[tuple[StepInput, float]] = deque()  # sent steps, oldest first
         last_done = 0.0  # when the previous result arrived
         while True:
@@ -344,6 +347,8 @@ class ExecutorRunner:
                 self._set_state(RunnerState.REMOVED)  # drained: too late to rejoin
                 return
             if len(inflight) < max(depth, 1) and sched.has_unfinished_requests():
+                if target > 0:
+                    sched.token_budget = self._token_budget(sched, target)
                 step = sched.schedule()
                 if step.num_requests:
                     sent = time.perf_counter()
@@ -376,6 +381,16 @@ class ExecutorRunner:
                 self._emit(update, now)
             self.engine.metrics.step_done(self, num_tokens, step.num_requests, seconds,
                                           sched.stats())
+
+    def _token_budget(self, sched: SchedulerBase, seconds: float) -> int:
+        """The step budget that keeps this executor's steps near `seconds` by its measured
+        cost: a slow device (a CPU, where 2048 prefill tokens take seconds) computes long
+        prompts in more, shorter steps, so that the running requests' next tokens and the
+        next arrivals' first ones do not wait behind one long step. Never below what every
+        running request needs for a decode (plus a floor), never above the configured budget."""
+        full = sched.config.max_num_batched_tokens
+        floor = max(_MIN_STEP_BUDGET, sched.num_running + 1)
+        return max(min(floor, full), min(full, self.cost.tokens_within(seconds)))
 
     def _emit(self, update: RequestUpdate, now: float) -> None:
         tracked = self.tracked.get(update.request_id)

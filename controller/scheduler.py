@@ -181,7 +181,10 @@ class Scheduler(SchedulerBase):
 
     def schedule(self) -> StepInput:
         """Running requests first (preempting when blocks run out), then waiting ones."""
-        budget = self.config.max_num_batched_tokens
+        full_budget = self.config.max_num_batched_tokens
+        if self.config.chunked_prefill:  # an unchunked prompt needs the whole budget
+            full_budget = max(1, min(self.token_budget, full_budget))
+        budget = full_budget
         cached: dict[str, CachedRequestData] = {}
         plan: dict[str, _Scheduled] = {}
         preempted = False
@@ -267,7 +270,7 @@ class Scheduler(SchedulerBase):
             plan[request.request_id] = self._advance(request, num_new)
             budget -= num_new
 
-        self._last_step_tokens = self.config.max_num_batched_tokens - budget
+        self._last_step_tokens = full_budget - budget
         if not new and not cached:  # nothing to send: keep the step id and the finished ids
             return StepInput(step_id=self._step_id + 1)
         self._step_id += 1

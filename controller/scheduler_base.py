@@ -105,7 +105,8 @@ class SchedulerBase(abc.ABC):
     - `schedule()` returns the next `StepInput`: a diff against what the executor holds. A
       request it has not seen (or must recompute) is a `NewRequestData` with its whole block
       table; a known one is a `CachedRequestData` with only its new blocks. Per step the total
-      of `num_scheduled_tokens` stays within `max_num_batched_tokens` and at most
+      of `num_scheduled_tokens` stays within `token_budget` (at most `max_num_batched_tokens`;
+      the engine lowers it to keep a slow executor's steps short) and at most
       `max_num_seqs` requests run. Every id finished, aborted or preempted since the previous
       step goes in `finished_request_ids` (the executor handles those first). `step_id`
       increases by one from 1. A step that schedules no request is not meant to be sent: it
@@ -130,6 +131,8 @@ class SchedulerBase(abc.ABC):
     def __init__(self, config: SchedulerConfig) -> None:
         config.validate()
         self.config = config
+        # Tokens the next step may schedule; the engine may lower it before each schedule().
+        self.token_budget = config.max_num_batched_tokens
 
     @abc.abstractmethod
     def add_request(self, request: Request) -> None:

@@ -35,6 +35,16 @@ def test_cost_model_starts_at_prior_and_learns_the_line():
     assert m.tokens_per_second > 0
 
 
+def test_cost_model_tokens_within_a_step_time():
+    m = StepCostModel(prior_overhead=0.1, prior_per_token=0.001)
+    assert m.tokens_within(0.5) == 400  # (0.5 - 0.1) / 0.001
+    assert m.tokens_within(0.05) == 0  # the overhead alone is over it
+    for _ in range(200):  # a fast device: 10 ms + 20 us per token
+        m.observe(8, 0.010 + 0.00002 * 8)
+        m.observe(512, 0.010 + 0.00002 * 512)
+    assert m.tokens_within(0.5) == pytest.approx(24500, rel=0.05)
+
+
 def test_cost_model_follows_a_slowdown_and_ignores_bad_samples():
     m = StepCostModel()
     for _ in range(100):

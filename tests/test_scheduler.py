@@ -227,6 +227,25 @@ def test_token_budget_and_chunked_prefill() -> None:
     assert results["long"].updates[0].new_token_ids  # first update comes with the first token
 
 
+def test_lowered_token_budget_chunks_steps_and_unchunked_prompts_ignore_it() -> None:
+    """The engine may lower `token_budget` (a step-time target): steps follow it; an executor
+    without chunked prefill keeps the whole budget (its prompts must fit one step)."""
+    sched = Scheduler(make_config(max_num_batched_tokens=64))
+    sched.add_request(make_request("long", 150, max_tokens=2))
+    ex, results = FakeExecutor(), {}
+    sched.token_budget = 40
+    chunks = [run_step(sched, ex, results).num_scheduled_tokens for _ in range(3)]
+    sched.token_budget = 500  # never above the configured budget
+    chunks += [run_step(sched, ex, results).num_scheduled_tokens for _ in range(2)]
+    assert chunks == [40, 40, 40, 30, 1]
+    assert results["long"].tokens == expected_output(make_request("long", 150).prompt_token_ids, 2)
+
+    whole = Scheduler(make_config(max_num_batched_tokens=64, chunked_prefill=False))
+    whole.add_request(make_request("r", 60))
+    whole.token_budget = 16
+    assert run_step(whole, FakeExecutor(), {}).num_scheduled_tokens == 60
+
+
 def test_first_step_shapes_new_then_cached() -> None:
     sched = Scheduler(make_config(max_num_batched_tokens=32))
     sched.add_request(make_request("a", 40))

@@ -248,3 +248,42 @@ def test_a_client_that_leaves_a_non_streamed_request_aborts_it(sim_fleet):
     while aborted() == before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert aborted() == before + 1  # at once, not when its 4000 tokens would have been done
+
+
+def _step_token_buckets(base_url: str) -> dict[str, float]:
+    """vllm:iteration_tokens_total bucket counts by upper bound, summed over executors."""
+    counts: dict[str, float] = {}
+    for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:iteration_tokens_total_bucket{"):
+            le = line.split('le="')[1].split('"')[0]
+            counts[le] = counts.get(le, 0.0) + float(line.split()[-1])
+    return counts
+
+
+def test_a_slow_executor_gets_steps_sized_to_the_step_time_target(default_model_dir, tmp_path):
+    """A simulated device at 1 ms per token (a 2048-token step would take 2 s): with a 0.3 s
+    target the controller cuts a 1500-token prompt into steps of at most ~300 tokens, by the
+    step cost it measures; greedy output is unchanged by the chunking."""
+    tmp = str(tmp_path)
+    proc, port = spawn_executor(
+        "executor_sim", default_model_dir, tmp, "slow",
+        extra=["--num-blocks", "512", "--step-fixed-ms", "5", "--step-per-token-us", "1000",
+               "--device-kind", "cpu"])
+    server = spawn_controller(default_model_dir, tmp, ["--executor", f"127.0.0.1:{port}",
+                                                       "--step-time-target", "0.3"])
+    server.executors.append(proc)
+    try:
+        wait_healthy_executors(server, 1, timeout=120)
+        client = server.client(timeout=120)
+        prompt = list(range(100, 1600))  # 1500 token ids
+        resp = client.completions.create(model=server.model_name, prompt=prompt, max_tokens=4,
+                                         temperature=0, extra_body={"ignore_eos": True})
+        assert resp.usage.prompt_tokens == 1500 and resp.usage.completion_tokens == 4
+        buckets = _step_token_buckets(server.base_url)
+        steps = buckets["+Inf"]
+        assert steps >= 5  # at least 1500 / 300 prefill steps, then decodes
+        assert buckets["500.0"] == steps  # no step over 500 tokens (the budget is 2048)
+        server.wait_idle()
+        assert all(e["used_blocks"] == 0 for e in server.executors_state())
+    finally:
+        server.stop()
