@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 # Where the prior's second pseudo-step sits (tokens), so that the prior pins a slope.
 _PRIOR_TOKENS = 256
+_MIN_STEP_BUDGET = 128  # fewest tokens StepCostModel.step_budget leaves a step
 
 
 @dataclass
@@ -116,6 +117,15 @@ class StepCostModel:
         """The most tokens a step may schedule and still be predicted to take `seconds`."""
         overhead, per_token = self.coefficients()
         return max(0, int((seconds - overhead) / per_token))
+
+    def step_budget(self, seconds: float, full: int, needed: int) -> int:
+        """The token budget that keeps steps near `seconds` by the measured cost: a slow
+        device (a CPU, where 2048 prefill tokens take seconds) computes long prompts in more,
+        shorter steps, so that running requests' next tokens and new arrivals' first ones do
+        not wait behind one long step. Never below `needed` (the running requests' decodes)
+        or a floor, never above the configured budget `full`."""
+        floor = min(full, max(_MIN_STEP_BUDGET, needed))
+        return max(floor, min(full, self.tokens_within(seconds)))
 
     @property
     def tokens_per_second(self) -> float:

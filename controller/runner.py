@@ -39,8 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_MIN_STEP_BUDGET = 128  # fewest tokens a step-time target leaves a step (see _token_budget)
-
 
 class RunnerState(enum.Enum):
     """Where an executor session stands."""
@@ -347,8 +345,9 @@ class ExecutorRunner:
                 self._set_state(RunnerState.REMOVED)  # drained: too late to rejoin
                 return
             if len(inflight) < max(depth, 1) and sched.has_unfinished_requests():
-                if target > 0:
-                    sched.token_budget = self._token_budget(sched, target)
+                if target > 0:  # a slow device's steps kept short (StepCostModel.step_budget)
+                    sched.token_budget = self.cost.step_budget(
+                        target, sched.config.max_num_batched_tokens, sched.num_running + 1)
                 step = sched.schedule()
                 if step.num_requests:
                     sent = time.perf_counter()
@@ -381,16 +380,6 @@ class ExecutorRunner:
                 self._emit(update, now)
             self.engine.metrics.step_done(self, num_tokens, step.num_requests, seconds,
                                           sched.stats())
-
-    def _token_budget(self, sched: SchedulerBase, seconds: float) -> int:
-        """The step budget that keeps this executor's steps near `seconds` by its measured
-        cost: a slow device (a CPU, where 2048 prefill tokens take seconds) computes long
-        prompts in more, shorter steps, so that the running requests' next tokens and the
-        next arrivals' first ones do not wait behind one long step. Never below what every
-        running request needs for a decode (plus a floor), never above the configured budget."""
-        full = sched.config.max_num_batched_tokens
-        floor = max(_MIN_STEP_BUDGET, sched.num_running + 1)
-        return max(min(floor, full), min(full, self.cost.tokens_within(seconds)))
 
     def _emit(self, update: RequestUpdate, now: float) -> None:
         tracked = self.tracked.get(update.request_id)

@@ -39,6 +39,11 @@ def test_cost_model_tokens_within_a_step_time():
     m = StepCostModel(prior_overhead=0.1, prior_per_token=0.001)
     assert m.tokens_within(0.5) == 400  # (0.5 - 0.1) / 0.001
     assert m.tokens_within(0.05) == 0  # the overhead alone is over it
+    assert m.step_budget(0.5, full=2048, needed=10) == 400
+    assert m.step_budget(0.5, full=300, needed=10) == 300  # never above the configured budget
+    assert m.step_budget(0.05, full=2048, needed=10) == 128  # a floor for progress
+    assert m.step_budget(0.05, full=2048, needed=257) == 257  # every running decode fits
+    assert m.step_budget(0.05, full=64, needed=10) == 64
     for _ in range(200):  # a fast device: 10 ms + 20 us per token
         m.observe(8, 0.010 + 0.00002 * 8)
         m.observe(512, 0.010 + 0.00002 * 512)
