@@ -50,6 +50,20 @@ def test_cost_model_tokens_within_a_step_time():
     assert m.tokens_within(0.5) == pytest.approx(24500, rel=0.05)
 
 
+def test_step_budget_of_a_fresh_fast_executor_reaches_the_full_budget_at_once():
+    """From the default prior (2 ms a token) a GPU-speed executor starts on short steps and is
+    given the whole budget as soon as its first steps are measured; a slow one stays short."""
+    fast, slow = StepCostModel(), StepCostModel()
+    budgets = {"fast": [], "slow": []}
+    for _ in range(6):
+        for name, m, per_token in (("fast", fast, 0.00002), ("slow", slow, 0.0012)):
+            b = m.step_budget(0.5, full=2048, needed=1)
+            budgets[name].append(b)
+            m.observe(b, 0.01 + per_token * b)
+    assert budgets["fast"][0] < 300 and budgets["fast"][2:] == [2048] * 4
+    assert all(300 <= b <= 450 for b in budgets["slow"][2:])  # (0.5 - 0.01) / 1.2 ms = 408
+
+
 def test_cost_model_follows_a_slowdown_and_ignores_bad_samples():
     m = StepCostModel()
     for _ in range(100):
