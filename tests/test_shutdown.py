@@ -59,7 +59,10 @@ def test_controller_sigterm_drains_then_aborts(default_model_dir, tmp_path):
             while not all(long_events):  # every long stream has started
                 await asyncio.sleep(0.05)
             short = asyncio.create_task(_stream(s.base_url, short_body, short_events))
-            await asyncio.sleep(0.1)
+            # The short request must be admitted before the signal (a fixed pause raced a busy
+            # machine: the request arrived after SIGTERM and got its 503).
+            while sum(e["running"] + e["waiting"] for e in s.executors_state()) < 4:
+                await asyncio.sleep(0.02)
             s.controller.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
             await asyncio.sleep(0.3)
