@@ -11,13 +11,10 @@ size the attention kernel does not take.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from common.attention import AttentionMetadata
-
-StackForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], "torch.Tensor | None"]
+from common.models.llama import StackForward
 
 
 def _layer_tensors(layer, empty: torch.Tensor) -> list[torch.Tensor] | None:
@@ -38,28 +35,32 @@ def stack_forward_of(module, model, backend) -> StackForward:
     kernel = module.decoder_stack
     args = model.args
     supported = module.paged_attention_supports(args.head_dim)
+    per_layer = module.DECODER_STACK_TENSORS_PER_LAYER
     layers = model.model.layers
-    cached: dict[str, object] = {}  # "key": the KV tensor the list was built for; "flat"
+    built_for: torch.Tensor | None = None  # the KV cache the flat list was built for
+    flat: list[torch.Tensor] | None = None  # every layer's tensors, or None if one is unpacked
 
     def flat_tensors() -> list[torch.Tensor] | None:
+        nonlocal built_for, flat
         cache = layers[0].self_attn.kv_cache
-        if cached.get("key") is not cache:  # built once per bound KV cache
+        if built_for is not cache:  # built once per bound KV cache
             empty = torch.empty(0)
             parts = [_layer_tensors(layer, empty) for layer in layers]
-            cached["flat"] = None if any(p is None for p in parts) else [
-                t for part in parts for t in part]
-            cached["key"] = cache
-        return cached["flat"]
+            if any(p is not None and len(p) != per_layer for p in parts):
+                raise RuntimeError(f"decoder_stack takes {per_layer} tensors per layer")
+            flat = None if any(p is None for p in parts) else [t for p in parts for t in p]
+            built_for = cache
+        return flat
 
     def forward(x: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor | None:
         if (not supported or layers[0].self_attn.kv_cache is None
                 or layers[0].self_attn.backend is not backend):
             return None
-        flat = flat_tensors()
-        if flat is None:
+        tensors = flat_tensors()
+        if tensors is None:
             return None
-        return kernel(x, flat, model.model.norm.weight, positions, model.model.rotary.cos_sin,
+        return kernel(x, tensors, model.model.norm.weight, positions, model.model.rotary.cos_sin,
                       meta.slot_mapping, meta.block_tables, meta.seq_lens,
                       meta.query_start_loc, args.num_heads, args.num_kv_heads,
                       args.rms_norm_eps, layers[0].self_attn.scale)

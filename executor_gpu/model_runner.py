@@ -63,6 +63,7 @@ class GPUModelRunner(TorchModelRunner):
         super().__init__(config, geometry, resolve_device(config.device))
         self.sampler = Sampler(config.seed, self.device)  # noise for unseeded rows
         self.fused_ops = None  # the device's fused layer ops, where it has them
+        self.stack_forward_of = None  # builds the model's one-call decoder stack, where it has one
         self.graphs: DecodeGraphs | None = None  # decode replay, set up by capture_model
         if self.device.type == "cuda" and os.environ.get("TANDEM_CUDA_KERNELS", "1") != "0":
             try:
@@ -75,21 +76,20 @@ class GPUModelRunner(TorchModelRunner):
                 self.fused_ops = triton_layer_ops.CUDA_LAYER_OPS
         # On the CPU in float32: the C++ kernels for attention and the layer ops.
         if self.device.type == "cpu" and config.dtype == "float32" and cpu_kernels.enabled():
-            from executor_gpu import cpu_attention, cpu_layer_ops
+            from executor_gpu import cpu_attention, cpu_decoder_stack, cpu_layer_ops
 
             if cpu_attention.register():  # attention in place in the paged cache
                 self.attention_backend = cpu_attention.BACKEND_NAME
                 self.fused_ops = cpu_layer_ops.layer_ops()
+                self.stack_forward_of = cpu_decoder_stack.stack_forward_of
 
     def load_model(self) -> None:
         """Load the model, then switch it to the device's fused layer ops where they exist."""
         super().load_model()
         if self.fused_ops is not None:
             self.model.set_layer_ops(self.fused_ops)
-        if self.fused_ops is not None and self.fused_ops.name == "cpu_fused":
-            from executor_gpu import cpu_decoder_stack  # the layers in one kernel call
-
-            self.model.set_stack_forward(cpu_decoder_stack.stack_forward_of(
+        if self.fused_ops is not None and self.stack_forward_of is not None:
+            self.model.set_stack_forward(self.stack_forward_of(  # the layers in one kernel call
                 cpu_kernels.load_kernels(), self.model,
                 get_attention_backend(self.attention_backend)))
 

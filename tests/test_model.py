@@ -248,6 +248,17 @@ def runner():
 
 
 @needs_model
+def test_cpu_runner_takes_the_one_call_decoder_stack(runner):
+    """With the C++ kernels built, the served path (and so the HF comparisons below) runs the
+    decoder stack in one kernel call."""
+    from executor_gpu.cpu_kernels import load_kernels
+
+    if load_kernels() is None:
+        pytest.skip("no C++ toolchain for the kernels")
+    assert runner.model.stack_forward is not None
+
+
+@needs_model
 def test_greedy_batch_matches_hf_generate(runner, hf_model, prompts):
     runner.reset()
     ctl = MiniController(runner, budget=12)

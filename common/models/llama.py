@@ -23,6 +23,10 @@ from torch import nn
 from common.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from common.models.layer_ops import TORCH_LAYER_OPS, LayerOps
 
+# A device's whole-stack forward: (embeddings, positions, metadata) -> the final-normed hidden
+# states, or None where it does not apply (then the layers run one by one).
+StackForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], "torch.Tensor | None"]
+
 
 @dataclass
 class LlamaArgs:
@@ -291,9 +295,8 @@ class LlamaForCausalLM(nn.Module):
         self.layer_ops: LayerOps = TORCH_LAYER_OPS
         # The output embedding in the form layer_ops.logits takes (None: lm_head.weight as is).
         self.logits_weight: torch.Tensor | None = None
-        # A device's whole-stack forward, (embeddings, positions, metadata) -> the final-normed
-        # hidden states, or None where it does not apply (then the layers run one by one).
-        self.stack_forward: Callable[..., torch.Tensor | None] | None = None
+        # A device's whole-stack forward (see StackForward), or None: the layers one by one.
+        self.stack_forward: StackForward | None = None
         self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False,
                                  dtype=dtype)
         if self.args.tie_word_embeddings:
@@ -330,7 +333,7 @@ class LlamaForCausalLM(nn.Module):
         if self.logits_weight is not None and not self.args.tie_word_embeddings:
             self.lm_head.weight.data = prepared  # the original is needed no more
 
-    def set_stack_forward(self, fn: Callable[..., torch.Tensor | None] | None) -> None:
+    def set_stack_forward(self, fn: StackForward | None) -> None:
         """Run the decoder layers and final norm through ``fn`` where it applies; it must compute
         what the layers compute (see ``forward``)."""
         self.stack_forward = fn
