@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -248,6 +249,9 @@ def test_a_client_that_leaves_a_non_streamed_request_aborts_it(sim_fleet):
     while aborted() == before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert aborted() == before + 1  # at once, not when its 4000 tokens would have been done
+    with open(os.path.join(server.log_dir, "controller.log")) as f:
+        log = f.read()
+    assert "Traceback" not in log  # a client leaving is routine, not an application error
 
 
 def _step_token_buckets(base_url: str) -> dict[str, float]:

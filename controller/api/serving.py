@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.step_types import SamplingParams
 from controller.admission import ABORT, Admission, AdmissionLimits, AdmissionRejected, Ticket
@@ -223,8 +223,9 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _collect(self, gens: list[GenerationRequest], http: HTTPRequest,
-                       ticket: Ticket) -> list[Choice]:
-        """Run to completion (non-streaming); abort everything if the client leaves."""
+                       ticket: Ticket) -> list[Choice] | None:
+        """Run to completion (non-streaming); abort everything and return None if the client
+        leaves."""
         choices = [Choice(index=i, prompt_index=0) for i in range(len(gens))]
 
         async def collect() -> list[Choice]:
@@ -241,7 +242,7 @@ class OpenAIServing:
                 return task.result()
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            raise asyncio.CancelledError("client disconnected")
+            return None
         finally:
             gone.cancel()
             if not task.done():
@@ -288,6 +289,8 @@ class OpenAIServing:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._sse(gens, fmt.stream_chunk, fmt, include_usage, ticket)
         choices = await self._collect(gens, http, ticket)
+        if choices is None:
+            return _CLIENT_CLOSED
         for c in choices:
             c.prompt_index = c.index // req.n
         return JSONResponse(fmt.response(choices))
@@ -318,6 +321,8 @@ class OpenAIServing:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._sse(gens, fmt.stream_chunk, fmt, include_usage, ticket)
         choices = await self._collect(gens, http, ticket)
+        if choices is None:
+            return _CLIENT_CLOSED
         return JSONResponse(fmt.response(choices))
 
     # --- streaming ----------------------------------------------------------------------
@@ -370,6 +375,11 @@ class _TicketedStream(StreamingResponse):
 
 def _sse_line(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+# What a handler returns once its client has left: nothing reaches the closed socket, and the
+# access log shows 499 (the status proxies use for "client closed request").
+_CLIENT_CLOSED = Response(status_code=499)
 
 
 async def _client_gone(http: HTTPRequest) -> None:
