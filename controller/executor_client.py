@@ -187,7 +187,8 @@ class ExecutorClient:
         if self._call is None:
             raise ExecutorLost("no step stream open")
         try:
-            msg = await asyncio.wait_for(self._call.read(), timeout=self.step_timeout)
+            async with asyncio.timeout(self.step_timeout):  # no task per read (as wait_for)
+                msg = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             await self.close_stream()
             raise ExecutorLost(

@@ -31,6 +31,8 @@ class HealthMonitor:
         self.lost = asyncio.Event()  # set once the session is judged lost
         self.reason = ""  # why
         self._task: asyncio.Task | None = None  # the check loop
+        self._guarded: asyncio.Task | None = None  # the task awaiting guarded work, if any
+        self._interrupted: asyncio.Task | None = None  # a guarded task cancelled as lost
 
     def start(self) -> None:
         """Begin checking a new session."""
@@ -48,6 +50,9 @@ class HealthMonitor:
         if not self.lost.is_set():
             self.reason = reason
             self.lost.set()
+            if self._guarded is not None:  # abandon the step in flight (see guard)
+                self._interrupted = self._guarded
+                self._guarded.cancel()
             self.on_lost()
 
     def check(self) -> None:
@@ -73,16 +78,24 @@ class HealthMonitor:
                     return
 
     async def guard(self, work: Awaitable[T]) -> T:
-        """`work`'s result, unless the session is judged lost first (then ExecutorLost)."""
-        work_task = asyncio.ensure_future(work)
-        lost_task = asyncio.ensure_future(self.lost.wait())
+        """`work`'s result, unless the session is judged lost first (then ExecutorLost).
+
+        `work` runs in the caller's task (no task per step): `declare_lost` cancels that task
+        while it waits here, and the cancellation is turned into ExecutorLost. One that comes
+        from elsewhere (shutdown) stays a cancellation."""
+        if self.lost.is_set():
+            if asyncio.iscoroutine(work):
+                work.close()  # never started
+            raise ExecutorLost(self.reason)
+        task = asyncio.current_task()
+        self._guarded = task
         try:
-            done, _ = await asyncio.wait({work_task, lost_task},
-                                         return_when=asyncio.FIRST_COMPLETED)
+            return await work
+        except asyncio.CancelledError:
+            if self._interrupted is task and task is not None:
+                self._interrupted = None
+                if task.uncancel() == 0:  # nobody else asked to cancel it
+                    raise ExecutorLost(self.reason) from None
+            raise
         finally:
-            lost_task.cancel()
-        if work_task in done:
-            return work_task.result()
-        work_task.cancel()
-        await asyncio.gather(work_task, return_exceptions=True)
-        raise ExecutorLost(self.reason)
+            self._guarded = None
