@@ -4,7 +4,8 @@
 // The torch reference gathers every request's blocks into a padded copy, then runs SDPA over it
 // (at batch 64 that copy moves as many bytes per step as the weights; SDPA over one short
 // prefill runs at a few GFLOP/s). This kernel reads each key and value where it lies. A task is
-// one (request, KV head, run of query tokens); the query heads that share the KV head
+// one (request, KV head, run of query tokens), or with many decodes one decode over all its KV
+// heads; the query heads that share a KV head
 // (grouped-query attention) are attended together, their queries and accumulators held in
 // vector registers. For each query token: the dot products with its keys (16 tokens' at a
 // time, summed across lanes together), a softmax per head in float32 with the maximum
@@ -187,10 +188,11 @@ constexpr std::array<GroupKernel, sizeof...(kVecs)> make_group_kernels(
 }
 constexpr auto kGroupKernels = make_group_kernels(std::make_integer_sequence<int, kMaxHeadVecs>{});
 
-// One unit of work: a run of one request's query tokens against one KV head.
+// One unit of work: a run of one request's query tokens against a range of KV heads.
 struct Task {
   int64_t request;  // index into the step's requests
-  int64_t kv_head;  // the KV head (its group of query heads)
+  int64_t kv_head;  // the first KV head (each with its group of query heads)
+  int64_t kv_end;   // one past the last KV head
   int64_t first;    // first query token of the run, in the flat batch
   int64_t last;     // one past its last
 };
@@ -262,6 +264,13 @@ torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> 
 
   // Prefill runs first (the longest work), then the decodes; threads take tasks in that order
   // from a shared counter, so a long prefill does not leave the other thread idle.
+  // With decodes enough to share out whole (4 per thread), a decode is one task over all its
+  // KV heads: a token's heads lie side by side in the cache, so one thread reads whole runs of
+  // cache lines instead of two threads each reading every other head's share (~8% faster at
+  // 16-256 decodes). Fewer decodes are split by KV head, to keep every thread busy.
+  int64_t decodes = 0;
+  for (int64_t n = 0; n < n_req; ++n) decodes += qs[n + 1] - qs[n] == 1;
+  const bool whole_decodes = decodes >= 4 * at::get_num_threads();
   std::vector<Task> tasks;
   int64_t max_len = 1;
   for (int pass = 0; pass < 2; ++pass)
@@ -269,9 +278,13 @@ torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> 
       const bool single = qs[n + 1] - qs[n] == 1;
       if (single != (pass == 1)) continue;
       max_len = std::max(max_len, sl[n]);
+      if (single && whole_decodes) {
+        tasks.push_back({n, 0, kv_heads, qs[n], qs[n + 1]});
+        continue;
+      }
       for (int64_t first = qs[n]; first < qs[n + 1]; first += kQueryRun)
         for (int64_t g = 0; g < kv_heads; ++g)
-          tasks.push_back({n, g, first, std::min(qs[n + 1], first + kQueryRun)});
+          tasks.push_back({n, g, g + 1, first, std::min(qs[n + 1], first + kQueryRun)});
     }
 
   auto out = torch::empty({tokens, heads, dim}, query.options());
@@ -289,24 +302,25 @@ torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> 
          i = next.fetch_add(1)) {
       const Task& task = tasks[i];
       const int64_t n = task.request, len = sl[n];
-      const float* base = kv + task.kv_head * dim;
-      if (listed != n * kv_heads + task.kv_head) {  // key rows, block by block
-        const int64_t* table = bt + n * max_blocks;
-        for (int64_t first = 0, b = 0; first < len; first += block_size, ++b) {
-          const float* row = base + table[b] * block_size * token_elems;
-          for (int64_t j = 0; j < std::min(block_size, len - first); ++j) {
-            scratch.keys[first + j] = row + j * token_elems;
-            if (first + j < kPrefetchTokens)  // the first keys now; the loop asks for the rest
-              for (int64_t v = 0; v < dim; v += kLanes) __builtin_prefetch(row + j * token_elems + v);
-          }
-        }
-        listed = n * kv_heads + task.kv_head;
-      }
       const int64_t cached = len - (qs[n + 1] - qs[n]);  // tokens before the query chunk
-      for (int64_t t = task.first; t < task.last; ++t) {
-        const int64_t head = task.kv_head * group;
-        kernel(q + t * q_stride + head * dim, scratch.keys.data(), value_offset,
-               cached + (t - qs[n]) + 1, group, sc, scratch, o + (t * heads + head) * dim);
+      for (int64_t g = task.kv_head; g < task.kv_end; ++g) {
+        if (listed != n * kv_heads + g) {  // key rows, block by block
+          const int64_t* table = bt + n * max_blocks;
+          for (int64_t first = 0, b = 0; first < len; first += block_size, ++b) {
+            const float* row = kv + g * dim + table[b] * block_size * token_elems;
+            for (int64_t j = 0; j < std::min(block_size, len - first); ++j) {
+              scratch.keys[first + j] = row + j * token_elems;
+              if (first + j < kPrefetchTokens)  // the first keys now; the loop asks for the rest
+                for (int64_t v = 0; v < dim; v += kLanes) __builtin_prefetch(row + j * token_elems + v);
+            }
+          }
+          listed = n * kv_heads + g;
+        }
+        for (int64_t t = task.first; t < task.last; ++t) {
+          const int64_t head = g * group;
+          kernel(q + t * q_stride + head * dim, scratch.keys.data(), value_offset,
+                 cached + (t - qs[n]) + 1, group, sc, scratch, o + (t * heads + head) * dim);
+        }
       }
     }
   });

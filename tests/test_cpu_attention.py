@@ -37,7 +37,10 @@ def run_both(meta, heads: int, kv_heads: int, dim: int, block_size: int, num_blo
                                                            (4, 1, 128, 16), (6, 2, 80, 8),
                                                            (10, 2, 16, 4), (6, 2, 24, 8),
                                                            (2, 1, 144, 16)])
-@pytest.mark.parametrize("lens", [[1], [5, 17, 16, 33], [200] * 3 + [1, 64]])
+# Up to a few decodes per thread, tasks split them by KV head; with more (the 20), each decode is
+# one task over all its KV heads.
+@pytest.mark.parametrize("lens", [[1], [5, 17, 16, 33], [200] * 3 + [1, 64],
+                                  [3 + 3 * i for i in range(20)]])
 def test_decodes_match_the_reference(heads, kv_heads, dim, block_size, lens):
     """A decode step: each request's new key and value stored, then attended with the rest."""
     torch.manual_seed(len(lens) * heads)
@@ -56,6 +59,7 @@ def test_decodes_match_the_reference(heads, kv_heads, dim, block_size, lens):
     ([40, 9, 14], [40, 1, 1]),            # a prefill of several query runs, then decodes
     ([9, 14, 7, 50], [1, 1, 3, 21]),      # decodes, then chunks after cached tokens
     ([100, 33, 1], [17, 33, 1]),          # a chunk, a whole prompt, a one-token prompt
+    ([9 + i for i in range(12)] + [50], [1] * 12 + [21]),  # decodes taken whole, a chunk
 ])
 def test_prefill_chunks_match_the_reference(heads, kv_heads, dim, block_size, lens, new):
     """Mixed steps: every query token attends causally to its request's cached and new
