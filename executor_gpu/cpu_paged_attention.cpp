@@ -5,13 +5,12 @@
 // (at batch 64 that copy moves as many bytes per step as the weights; SDPA over one short
 // prefill runs at a few GFLOP/s). This kernel reads each key and value where it lies. A task is
 // one (request, KV head, run of query tokens), or with many decodes one decode over all its KV
-// heads; the query heads that share a KV head
-// (grouped-query attention) are attended together, their queries and accumulators held in
-// vector registers. For each query token: the dot products with its keys (16 tokens' at a
-// time, summed across lanes together), a softmax per head in float32 with the maximum
-// subtracted (as SDPA does), then the values weighted into the accumulators. Given the step's
-// new keys and values, they are stored first (one pass over the tokens), which saves a
-// separate scatter.
+// heads; the query heads that share a KV head (grouped-query attention) are attended together,
+// their queries and accumulators held in vector registers. For each query token: the dot
+// products with its keys (16 tokens' at a time, summed across lanes together), a softmax per
+// head in float32 with the maximum subtracted (as SDPA does), then the values weighted into
+// the accumulators. Given the step's new keys and values, they are stored first (one pass over
+// the tokens), which saves a separate scatter.
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
