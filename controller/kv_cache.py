@@ -314,7 +314,8 @@ class KVCacheManager:
             num_total = request.num_computed_tokens + num_new_tokens
             if num_total <= len(table) * self.block_size and (
                 not self.enable_prefix_caching
-                or min(num_total, request.num_tokens) // self.block_size <= self._num_cached[rid]
+                or min(num_total, len(request.prompt_token_ids) + len(request.output_token_ids))
+                // self.block_size <= self._num_cached[rid]
             ):
                 return []
         first = table is None

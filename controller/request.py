@@ -121,7 +121,7 @@ class Request:
                 return "stop"
         if num_output >= self.max_tokens:
             return "length"
-        if self.max_model_len > 0 and self.num_tokens >= self.max_model_len:
+        if 0 < self.max_model_len <= len(self.prompt_token_ids) + num_output:
             return "length"
         return None
 

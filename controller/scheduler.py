@@ -227,10 +227,16 @@ class Scheduler(SchedulerBase):
                     break
             if new_block_ids is None:
                 continue  # `request` preempted itself; the next one is now at `index`
-            cached[request.request_id] = CachedRequestData(
-                request.request_id, new_block_ids, request.num_computed_tokens, num_new
-            )
-            plan[request.request_id] = self._advance(request, num_new)
+            rid = request.request_id
+            start = request.num_computed_tokens
+            cached[rid] = CachedRequestData(rid, new_block_ids, start, num_new)
+            # Inlined _advance: a chunk reaching the end of the known tokens and placeholders
+            # samples one more.
+            request.num_computed_tokens = start + num_new
+            samples = start + num_new == num_known + pending
+            if samples:
+                request.num_pending_tokens = pending + 1
+            plan[rid] = _Scheduled(start, num_new, samples, request.num_preemptions)
             budget -= num_new
             index += 1
 
