@@ -6,8 +6,10 @@ import argparse
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -102,7 +104,8 @@ def start_metrics_server(host: str, port: int) -> None:
     log.info("Prometheus metrics on %s:%d", host, port)
 
 
-def _check_security_args(args) -> None:
+def check_security_args(args) -> None:
+    """Exit with a message when the TLS flags do not go together."""
     if bool(getattr(args, "tls_cert", "")) != bool(getattr(args, "tls_key", "")):
         raise SystemExit("--tls-cert and --tls-key go together")
     if getattr(args, "tls_client_ca", "") and not getattr(args, "tls_cert", ""):
@@ -118,16 +121,19 @@ def _health_only_server(health_servicer, host: str, port: int) -> grpc.Server:
     return server
 
 
-def serve(worker_factory: Callable[[ExecutorConfig], WorkerBase], args) -> None:
-    """Load the model, then serve Executor, health and reflection until SIGTERM/SIGINT."""
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    _check_security_args(args)
-    worker = worker_factory(config_from_args(args))
-    if getattr(args, "metrics_port", 0):
-        start_metrics_server(args.host, args.metrics_port)
+@dataclass
+class ExecutorServer:
+    """One worker served over gRPC: the Executor service, health and reflection."""
+
+    server: grpc.Server  # the started gRPC server
+    health: health.HealthServicer  # grpc.health.v1 state (NOT_SERVING until loaded)
+    servicer: ExecutorServicer  # the Executor service over the worker
+    port: int  # the bound port (the one asked for, or the one chosen for port 0)
+
+
+def start_server(worker: WorkerBase, args, port: int) -> ExecutorServer:
+    """Serve ``worker`` on ``args.host:port`` (0: any free port) with the security the flags
+    ask for; health reports NOT_SERVING until ``mark_serving``."""
     token_file = getattr(args, "auth_token_file", "")
     interceptors = [TokenInterceptor(read_token(token_file))] if token_file else []
     server = grpc.server(
@@ -147,35 +153,73 @@ def serve(worker_factory: Callable[[ExecutorConfig], WorkerBase], args) -> None:
     )
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    address = f"{args.host}:{args.port}"
+    address = f"{args.host}:{port}"
     if getattr(args, "tls_cert", ""):
         creds = server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
-        server.add_secure_port(address, creds)
+        bound = server.add_secure_port(address, creds)
     else:
-        server.add_insecure_port(address)
+        bound = server.add_insecure_port(address)
     server.start()
-    health_server = None
-    if getattr(args, "health_port", 0):
-        health_server = _health_only_server(health_servicer, args.host, args.health_port)
-    log.info("listening on %s (%s%s); loading %s", address,
+    log.info("listening on %s:%d (%s%s)", args.host, bound,
              "mTLS" if getattr(args, "tls_client_ca", "") else
              "TLS" if getattr(args, "tls_cert", "") else "plaintext",
-             ", token" if interceptors else "", args.model)
-    servicer.load()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("ready: %s on %s", worker.device_kind, worker.device_name)
+             ", token" if interceptors else "")
+    return ExecutorServer(server, health_servicer, servicer, bound)
 
+
+def mark_serving(served: ExecutorServer) -> None:
+    """Report SERVING (the worker is loaded)."""
+    for name in ("", SERVICE_NAME):
+        served.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
+def wait_for_signal() -> None:
+    """Block until SIGTERM or SIGINT."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    drain = max(getattr(args, "shutdown_drain", 0.0), 0.0)
+
+
+def shut_down(servers: list[ExecutorServer], drain: float) -> None:
+    """Report NOT_SERVING, let open step streams go on for up to ``drain`` seconds (ending
+    early once their controllers close them), then stop the servers."""
+    drain = max(drain, 0.0)
     log.info("shutting down: NOT_SERVING; draining %d step streams for up to %.0fs",
-             servicer.streams_open, drain)
-    health_servicer.enter_graceful_shutdown()
-    if not servicer.wait_streams_closed(drain):
-        log.warning("a step stream is still open after %.0fs; stopping anyway", drain)
-    server.stop(grace=5).wait()
+             sum(s.servicer.streams_open for s in servers), drain)
+    for s in servers:
+        s.health.enter_graceful_shutdown()
+    deadline = time.monotonic() + drain
+    for s in servers:
+        if not s.servicer.wait_streams_closed(max(deadline - time.monotonic(), 0.0)):
+            log.warning("a step stream is still open after %.0fs; stopping anyway", drain)
+    for s in servers:
+        s.server.stop(grace=5).wait()
+
+
+def configure_logging(args) -> None:
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def serve(worker_factory: Callable[[ExecutorConfig], WorkerBase], args) -> None:
+    """Load the model, then serve Executor, health and reflection until SIGTERM/SIGINT."""
+    configure_logging(args)
+    check_security_args(args)
+    worker = worker_factory(config_from_args(args))
+    if getattr(args, "metrics_port", 0):
+        start_metrics_server(args.host, args.metrics_port)
+    served = start_server(worker, args, args.port)
+    health_server = None
+    if getattr(args, "health_port", 0):
+        health_server = _health_only_server(served.health, args.host, args.health_port)
+    log.info("loading %s", args.model)
+    served.servicer.load()
+    mark_serving(served)
+    log.info("ready: %s on %s", worker.device_kind, worker.device_name)
+    wait_for_signal()
+    shut_down([served], getattr(args, "shutdown_drain", 0.0))
     if health_server is not None:
         health_server.stop(grace=1).wait()

@@ -130,6 +130,7 @@ def parse_args(argv=None) -> ControllerConfig:
         api_keys=load_api_keys(a.api_keys, a.api_key_files),
         auth_exempt_paths=a.auth_exempt_paths or list(DEFAULT_EXEMPT_PATHS),
         shutdown_grace=a.shutdown_grace,
+        http_keep_alive=a.http_keep_alive,
         ssl_certfile=a.ssl_certfile,
         ssl_keyfile=a.ssl_keyfile,
         executor_tls_ca=a.executor_tls_ca,
@@ -173,6 +174,9 @@ def _add_operations_flags(p: argparse.ArgumentParser) -> None:
                      help="name to verify in executor certificates (default: the host)")
     tls.add_argument("--auth-token-file", default="",
                      help="file holding the token sent to executors on every RPC")
+    p.add_argument("--http-keep-alive", type=float, default=75.0,
+                   help="seconds an idle HTTP keep-alive connection stays open (keep it above "
+                        "the idle timeout of any proxy in front)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds open responses may finish after SIGTERM before they are "
                         "aborted")
@@ -201,7 +205,8 @@ def main(argv=None) -> None:
     tune_gc()
     server = GracefulServer(
         uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                       timeout_graceful_shutdown=10, ssl_certfile=config.ssl_certfile or None,
+                       timeout_graceful_shutdown=10, timeout_keep_alive=config.http_keep_alive,
+                       ssl_certfile=config.ssl_certfile or None,
                        ssl_keyfile=config.ssl_keyfile or None),
         admission, config.shutdown_grace)
     server.run()

@@ -57,6 +57,10 @@ class ControllerConfig:
     auth_exempt_paths: list[str] = field(default_factory=lambda: ["/health", "/metrics"])
     # Shutdown: on SIGTERM admit nothing, let responses finish this long, then abort the rest.
     shutdown_grace: float = 30.0
+    # Seconds an idle HTTP keep-alive connection stays open. Longer than the idle timeout of
+    # the proxies in front (60 s for nginx upstreams and cloud load balancers), so that a proxy
+    # never reuses a connection the server is closing (a sporadic 502 / connection reset).
+    http_keep_alive: float = 75.0
     # HTTPS for the HTTP endpoint ("" = plain HTTP).
     ssl_certfile: str = ""  # PEM certificate chain
     ssl_keyfile: str = ""  # PEM private key

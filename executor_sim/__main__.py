@@ -3,8 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
+import os
 
-from common.executor_server import build_arg_parser, serve
+from common.executor_server import (
+    build_arg_parser,
+    check_security_args,
+    config_from_args,
+    configure_logging,
+    mark_serving,
+    serve,
+    shut_down,
+    start_metrics_server,
+    start_server,
+    wait_for_signal,
+)
 from executor_sim.latency import LatencyModel
 from executor_sim.worker import SimOptions, SimWorker
 
@@ -35,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="sample ids below this (0 = the whole vocabulary)")
     sim.add_argument("--device-kind", default="gpu", help="device kind reported")
     sim.add_argument("--device-name", default="simulated", help="device name reported")
+    sim.add_argument("--count", type=int, default=1,
+                     help="simulated executors in this process, each its own gRPC server on "
+                          "ports --port, --port + 1, ... (any free ports with --port 0)")
+    sim.add_argument("--ports-file", default="",
+                     help="once every executor serves, write their ports here, one per line")
     return p
 
 
@@ -56,10 +75,40 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
     )
 
 
+def serve_many(args: argparse.Namespace, options: SimOptions) -> None:
+    """``--count`` simulated executors in one process (for fleet-scale tests and benchmarks:
+    hundreds of executors on one machine). Each has its own worker, seed and gRPC server; the
+    Prometheus counters are the process's, summed over them."""
+    configure_logging(args)
+    check_security_args(args)
+    if args.health_port:
+        raise SystemExit("--health-port serves one executor: not with --count")
+    if args.metrics_port:
+        start_metrics_server(args.host, args.metrics_port)
+    config = config_from_args(args)
+    servers = []
+    for i in range(args.count):
+        worker = SimWorker(dataclasses.replace(config, seed=config.seed + i), options)
+        servers.append(start_server(worker, args, args.port + i if args.port else 0))
+    for served in servers:
+        served.servicer.load()
+        mark_serving(served)
+    if args.ports_file:
+        with open(args.ports_file + ".tmp", "w") as f:
+            f.writelines(f"{s.port}\n" for s in servers)
+        os.replace(args.ports_file + ".tmp", args.ports_file)  # readers see all or nothing
+    logging.getLogger(__name__).info("ready: %d simulated executors", len(servers))
+    wait_for_signal()
+    shut_down(servers, args.shutdown_drain)
+
+
 def main() -> None:
     args = build_parser().parse_args()
     options = options_from_args(args)
-    serve(lambda config: SimWorker(config, options), args)
+    if args.count > 1 or args.ports_file:
+        serve_many(args, options)
+    else:
+        serve(lambda config: SimWorker(config, options), args)
 
 
 if __name__ == "__main__":

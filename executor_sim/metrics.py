@@ -11,7 +11,7 @@ Counters live in prometheus_client's default registry, which ``--metrics-port`` 
   ``tandem_sim:sampled_tokens_total``: work done.
 - ``tandem_sim:decode_steps_total``, ``tandem_sim:decode_step_request_bytes_total``,
   ``tandem_sim:decode_scheduled_requests_total``: the same for pure decode steps only.
-- ``tandem_sim:running_requests``: requests the executor holds.
+- ``tandem_sim:running_requests``: requests the executors of this process hold.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from prometheus_client import Counter, Gauge, disable_created_metrics
 from common import convert
 
 _PREFIX = "tandem_sim:"
-_sizes: dict[int, int] = {}  # step id -> its StepRequest size, until the step runs
+_sizes: dict[int, int] = {}  # id() of a decoded StepInput -> its StepRequest size, until run
+# (by object, not step id: executors in one process each count their own steps from 1)
 _MAX_PENDING_SIZES = 64  # steps decoded but not yet run; older ones never ran (stream replaced)
 _shared: SimMetrics | None = None  # the process's counters, created on first use
 
@@ -63,7 +64,7 @@ def install_step_size_probe() -> None:
 
     The servicer turns each incoming message into a StepInput with ``convert.step_from_pb``
     (looked up at call time); wrapping it here measures the exact wire size without touching
-    the servicer. Steps are decoded ahead on a reader thread, so sizes are kept by step id and
+    the servicer. Steps are decoded ahead on a reader thread, so sizes are kept by step and
     read back by ``take_step_bytes`` when the step runs.
     """
     original = convert.step_from_pb
@@ -72,7 +73,7 @@ def install_step_size_probe() -> None:
 
     def probed(message):
         step = original(message)
-        _sizes[step.step_id] = message.ByteSize()
+        _sizes[id(step)] = message.ByteSize()
         if len(_sizes) > _MAX_PENDING_SIZES:  # a step decoded ahead whose stream was dropped
             del _sizes[next(iter(_sizes))]
         return step
@@ -81,6 +82,6 @@ def install_step_size_probe() -> None:
     convert.step_from_pb = probed
 
 
-def take_step_bytes(step_id: int) -> int:
-    """The size of step ``step_id``'s StepRequest (0 if not recorded), then forget it."""
-    return _sizes.pop(step_id, 0)
+def take_step_bytes(step) -> int:
+    """The size of ``step``'s StepRequest (0 if not recorded), then forget it."""
+    return _sizes.pop(id(step), 0)

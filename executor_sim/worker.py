@@ -43,6 +43,7 @@ class SimWorker(WorkerBase):
         self.options = options or SimOptions()  # simulation settings
         self.metrics = shared_metrics()  # Prometheus counters
         self._jitter_rng = random.Random(config.seed)  # noise of the latency model
+        self._running = 0  # this executor's share of the process's running-requests gauge
         install_step_size_probe()
 
     def init_device(self) -> None:
@@ -87,7 +88,7 @@ class SimWorker(WorkerBase):
             time.sleep(remaining)
         busy = time.perf_counter() - started
         output.device_seconds = busy
-        self._count(shape, busy, modeled, take_step_bytes(step.step_id))
+        self._count(shape, busy, modeled, take_step_bytes(step))
         return output
 
     def _count(self, shape, busy: float, modeled: float, size: int) -> None:
@@ -104,4 +105,6 @@ class SimWorker(WorkerBase):
             m.decode_bytes.inc(size)
             m.decode_requests.inc(shape.num_requests)
         assert isinstance(self.model_runner, SimModelRunner)
-        m.running.set(len(self.model_runner.requests))
+        running = len(self.model_runner.requests)  # the gauge sums the process's executors
+        m.running.inc(running - self._running)
+        self._running = running

@@ -1,0 +1,114 @@
+"""The control plane at fleet scale, on one machine: one controller in front of 200 simulated
+executors (four processes of 50, each executor its own gRPC server) serves 20,000 requests.
+
+Every request must come back whole, every executor must take part, and afterwards no request
+may run or wait anywhere and no KV block may stay in use. The run's rate is printed, not
+asserted (the machine is shared)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT, spawn_controller, wait_healthy_executors, wait_until
+
+PROCESSES = 4  # simulator processes
+PER_PROCESS = 50  # simulated executors in each
+REQUESTS = 20_000  # requests served
+IN_FLIGHT = 400  # requests the client keeps open
+POOL = 20  # client connections per HTTP connection pool
+
+pytestmark = pytest.mark.slow
+
+
+def start_sims(model: str, tmp: str) -> tuple[list[subprocess.Popen], list[int]]:
+    """PROCESSES simulator processes of PER_PROCESS executors; their ports once all serve."""
+    procs, files = [], []
+    for i in range(PROCESSES):
+        ports_file = os.path.join(tmp, f"sim{i}.ports")
+        log = open(os.path.join(tmp, f"sim{i}.log"), "w")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "executor_sim", "--model", model, "--host", "127.0.0.1",
+             "--port", "0", "--count", str(PER_PROCESS), "--ports-file", ports_file,
+             "--seed", str(1000 * i), "--num-blocks", "256", "--step-fixed-ms", "10",
+             "--step-per-token-us", "10", "--log-level", "WARNING"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        files.append(ports_file)
+    wait_until(lambda: all(os.path.exists(f) for f in files), 120, "simulated executors",
+               logs=tmp)
+    ports = []
+    for f in files:
+        with open(f) as fh:
+            ports += [int(line) for line in fh if line.strip()]
+    return procs, ports
+
+
+async def serve_all(base_url: str, model: str, vocab: int) -> list[tuple[int, dict]]:
+    """REQUESTS non-streamed completions, IN_FLIGHT at a time: (max_tokens, response)."""
+    rng = random.Random(7)
+    bodies = iter([{"model": model, "max_tokens": rng.randint(1, 8), "ignore_eos": True,
+                    "prompt": [rng.randrange(100, vocab) for _ in range(rng.randint(4, 40))],
+                    "temperature": 0} for _ in range(REQUESTS)])
+    results: list[tuple[int, dict]] = []
+
+    async def client_loop(workers: int) -> None:
+        # One small pool per few workers: httpx's pool scans all its connections per request.
+        limits = httpx.Limits(max_connections=workers, max_keepalive_connections=workers)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+            async def worker() -> None:
+                for body in bodies:
+                    r = await client.post(base_url + "/v1/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    results.append((body["max_tokens"], r.json()))
+
+            await asyncio.gather(*(worker() for _ in range(workers)))
+
+    await asyncio.gather(*(client_loop(POOL) for _ in range(IN_FLIGHT // POOL)))
+    return results
+
+
+def test_twenty_thousand_requests_over_two_hundred_executors(default_model_dir, tmp_path):
+    from common.models import load_model_geometry
+
+    tmp = str(tmp_path)
+    procs, ports = start_sims(default_model_dir, tmp)
+    assert len(ports) == PROCESSES * PER_PROCESS == len(set(ports))
+    args = ["--max-queued-requests", "0", "--log-level", "WARNING"]
+    for port in ports:
+        args += ["--executor", f"127.0.0.1:{port}"]
+    server = spawn_controller(default_model_dir, tmp, args)
+    server.executors.extend(procs)
+    try:
+        wait_healthy_executors(server, len(ports), timeout=300)
+        vocab = load_model_geometry(default_model_dir).vocab_size
+        started = time.monotonic()
+        results = asyncio.run(serve_all(server.base_url, server.model_name, vocab))
+        seconds = time.monotonic() - started
+        print(f"\nFLEET SCALE: {REQUESTS} requests over {len(ports)} executors in "
+              f"{seconds:.1f} s ({REQUESTS / seconds:.0f} requests/s)")
+
+        assert len(results) == REQUESTS
+        for max_tokens, body in results:
+            assert body["choices"][0]["finish_reason"] == "length"
+            assert body["usage"]["completion_tokens"] == max_tokens
+
+        state = server.wait_idle(timeout=60)
+        assert len(state) == len(ports) and all(e["healthy"] for e in state)
+        assert all(e["running"] == 0 and e["waiting"] == 0 for e in state), state
+        assert all(e["used_blocks"] == 0 for e in state)  # no KV block leaked anywhere
+        placed = [e["requests_placed"] for e in state]
+        assert sum(placed) >= REQUESTS and min(placed) > 0, placed  # every executor served
+        metrics = httpx.get(server.base_url + "/metrics", timeout=30).text
+        done = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("vllm:request_success_total{")
+                   and 'finished_reason="length"' in line)
+        assert done == REQUESTS
+    finally:
+        server.stop()
