@@ -38,10 +38,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.models import load_model_geometry  # noqa: E402
 from tests.conftest import (  # noqa: E402
     LiveServer,
+    executor_command,
     free_port,
     model_dir,
     spawn_controller,
-    spawn_executor,
+    spawn_process,
     wait_until,
 )
 
@@ -186,12 +187,13 @@ def run_point(a: argparse.Namespace, tmp: str, ports: list[int], metric_ports: l
     try:
         wait_until(lambda: fleet_state(server.base_url)[0] == len(ports), a.settle_timeout,
                    f"{len(ports)} healthy executors", logs=tmp)
-        return asyncio.run(_drive(a, server, metric_ports, running, vocab, tmp))
+        return asyncio.run(_drive(a, server, len(ports), metric_ports, running, vocab, tmp))
     finally:
         server.stop()
 
 
-async def _drive(a: argparse.Namespace, server: LiveServer, metric_ports: list[int],
+async def _drive(a: argparse.Namespace, server: LiveServer, executors: int,
+                 metric_ports: list[int],
                  running: int, vocab: int, tmp: str) -> PointResult:
     stop = asyncio.Event()
     load = asyncio.create_task(keep_in_flight(server.base_url, server.model_name, running,
@@ -214,23 +216,32 @@ async def _drive(a: argparse.Namespace, server: LiveServer, metric_ports: list[i
     finally:
         stop.set()
         await load
-    return measure(before, after, len(metric_ports), running, at_end)
+    return measure(before, after, executors, running, at_end)
 
 
 def start_sims(a: argparse.Namespace, tmp: str, count: int) -> tuple[list, list[int], list[int]]:
-    """Start `count` simulated executors; return (processes, gRPC ports, metrics ports)."""
-    procs, ports, metric_ports = [], [], []
-    for i in range(count):
+    """Start `count` simulated executors, up to --sims-per-process in each process; return
+    (processes, gRPC ports, metrics ports: one per process, counters summed over its sims)."""
+    procs, ports_files, metric_ports = [], [], []
+    for i, first in enumerate(range(0, count, a.sims_per_process)):
         metrics_port = free_port()
+        ports_file = os.path.join(tmp, f"sim{count}-{i}.ports")
         extra = ["--metrics-port", str(metrics_port), "--num-blocks", "16",
                  "--step-fixed-ms", str(a.step_fixed_ms),
                  "--step-per-token-us", str(a.step_per_token_us),
                  "--step-per-request-us", str(a.step_per_request_us),
-                 "--seed", str(i), "--log-level", "WARNING"]
-        proc, port = spawn_executor("executor_sim", a.model, tmp, f"sim{count}-{i}", extra=extra)
-        procs.append(proc)
-        ports.append(port)
+                 "--count", str(min(a.sims_per_process, count - first)),
+                 "--ports-file", ports_file, "--seed", str(first), "--log-level", "WARNING"]
+        procs.append(spawn_process(executor_command("executor_sim", a.model, 0, extra),
+                            os.path.join(tmp, f"sim{count}-{i}.log")))
+        ports_files.append(ports_file)
         metric_ports.append(metrics_port)
+    wait_until(lambda: all(os.path.exists(f) for f in ports_files), 120,
+               f"{count} simulated executors", logs=tmp)
+    ports: list[int] = []
+    for f in ports_files:
+        with open(f) as fh:
+            ports += [int(line) for line in fh if line.strip()]
     with httpx.Client() as client:
         for port in metric_ports:
             wait_until(lambda p=port: scrape_sim(client, p), 120, f"sim metrics on :{port}",
@@ -288,6 +299,8 @@ def main(argv=None) -> None:
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=2048,
                    help="max tokens per request (long: requests keep running)")
+    p.add_argument("--sims-per-process", type=int, default=16,
+                   help="simulated executors per simulator process")
     p.add_argument("--step-fixed-ms", type=float, default=10.0, help="sim: ms per step")
     p.add_argument("--step-per-token-us", type=float, default=20.0, help="sim: us per token")
     p.add_argument("--step-per-request-us", type=float, default=0.0, help="sim: us per request")

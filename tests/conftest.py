@@ -93,7 +93,8 @@ class LiveServer:
                 p.wait()
 
 
-def _spawn(args: list[str], log_path: str) -> subprocess.Popen:
+def spawn_process(args: list[str], log_path: str) -> subprocess.Popen:
+    """`python ARGS` from the repository root in a session of its own, output to log_path."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     log = open(log_path, "w")
     return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=log,
@@ -115,11 +116,11 @@ def start_server(model: str, tmp_dir: str, controller_args=(), executor_args=(),
     executors, ports = [], []
     for i, module in enumerate(executor_kinds):
         port = free_port()
-        executors.append(_spawn(executor_command(module, model, port, executor_args),
+        executors.append(spawn_process(executor_command(module, model, port, executor_args),
                                 os.path.join(tmp_dir, f"executor{i}.log")))
         ports.append(port)
     http_port = free_port()
-    controller = _spawn(
+    controller = spawn_process(
         ["-m", "controller", "--model", model, "--host", "127.0.0.1", "--port", str(http_port),
          *sum((["--executor", f"127.0.0.1:{p}"] for p in ports), []), *controller_args],
         os.path.join(tmp_dir, "controller.log"),
@@ -228,13 +229,13 @@ def spawn_executor(module: str, model: str, tmp_dir: str, name: str, port: int |
     """Start one executor process listening on host:port; returns (process, port)."""
     port = port or free_port()
     args = executor_command(module, model, port, [*extra, "--host", host])
-    return _spawn(args, os.path.join(tmp_dir, f"{name}.log")), port
+    return spawn_process(args, os.path.join(tmp_dir, f"{name}.log")), port
 
 
 def spawn_controller(model: str, tmp_dir: str, args=(), name: str = "controller") -> LiveServer:
     """Start a controller with the given flags (executors included) without waiting."""
     http_port = free_port()
-    controller = _spawn(
+    controller = spawn_process(
         ["-m", "controller", "--model", model, "--host", "127.0.0.1", "--port", str(http_port),
          *args],
         os.path.join(tmp_dir, f"{name}.log"),

@@ -11,13 +11,17 @@ import asyncio
 import os
 import random
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-from tests.conftest import ROOT, spawn_controller, wait_healthy_executors, wait_until
+from tests.conftest import (
+    spawn_controller,
+    spawn_process,
+    wait_healthy_executors,
+    wait_until,
+)
 
 PROCESSES = 4  # simulator processes
 PER_PROCESS = 50  # simulated executors in each
@@ -33,13 +37,11 @@ def start_sims(model: str, tmp: str) -> tuple[list[subprocess.Popen], list[int]]
     procs, files = [], []
     for i in range(PROCESSES):
         ports_file = os.path.join(tmp, f"sim{i}.ports")
-        log = open(os.path.join(tmp, f"sim{i}.log"), "w")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "executor_sim", "--model", model, "--host", "127.0.0.1",
-             "--port", "0", "--count", str(PER_PROCESS), "--ports-file", ports_file,
-             "--seed", str(1000 * i), "--num-blocks", "256", "--step-fixed-ms", "10",
-             "--step-per-token-us", "10", "--log-level", "WARNING"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(spawn_process(
+            ["-m", "executor_sim", "--model", model, "--host", "127.0.0.1", "--port", "0",
+             "--count", str(PER_PROCESS), "--ports-file", ports_file, "--seed", str(1000 * i),
+             "--num-blocks", "256", "--step-fixed-ms", "10", "--step-per-token-us", "10",
+             "--log-level", "WARNING"], os.path.join(tmp, f"sim{i}.log")))
         files.append(ports_file)
     wait_until(lambda: all(os.path.exists(f) for f in files), 120, "simulated executors",
                logs=tmp)
