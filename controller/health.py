@@ -38,6 +38,7 @@ class HealthMonitor:
         """Begin checking a new session."""
         self.lost.clear()
         self.reason = ""
+        self._interrupted = None
         self._task = asyncio.create_task(self._loop(), name=f"health-{self.client.address}")
 
     async def stop(self) -> None:
