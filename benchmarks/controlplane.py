@@ -123,24 +123,33 @@ def fleet_state(base_url: str) -> tuple[int, int, int]:
 async def keep_in_flight(base_url: str, model: str, running: int, input_len: int,
                          output_len: int, vocab: int, stop: asyncio.Event) -> None:
     """Keep `running` non-streamed completions in flight until `stop` (then abort them)."""
-    limits = httpx.Limits(max_connections=running + 4, max_keepalive_connections=running + 4)
     rng = random.Random(0)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        async def worker() -> None:
-            while not stop.is_set():
-                prompt = [rng.randrange(100, vocab) for _ in range(input_len)]
-                body = {"model": model, "prompt": prompt, "max_tokens": output_len,
-                        "temperature": 0, "ignore_eos": True}
-                try:
-                    await client.post(base_url + "/v1/completions", json=body)
-                except httpx.HTTPError:
-                    await asyncio.sleep(0.1)
 
-        tasks = [asyncio.create_task(worker()) for _ in range(running)]
+    async def worker(client: httpx.AsyncClient) -> None:
+        while not stop.is_set():
+            prompt = [rng.randrange(100, vocab) for _ in range(input_len)]
+            body = {"model": model, "prompt": prompt, "max_tokens": output_len,
+                    "temperature": 0, "ignore_eos": True}
+            try:
+                await client.post(base_url + "/v1/completions", json=body)
+            except httpx.HTTPError:
+                await asyncio.sleep(0.1)
+
+    # Pools of at most 20 connections: httpx's pool scans every connection per request, and
+    # this process shares the machine with the controller it measures.
+    sizes = [min(20, running - i) for i in range(0, running, 20)]
+    clients = [httpx.AsyncClient(timeout=None, limits=httpx.Limits(
+        max_connections=n, max_keepalive_connections=n)) for n in sizes]
+    try:
+        tasks = [asyncio.create_task(worker(c)) for c, n in zip(clients, sizes)
+                 for _ in range(n)]
         await stop.wait()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        for c in clients:
+            await c.aclose()
 
 
 def measure(before: dict, after: dict, executors: int, running: int,
