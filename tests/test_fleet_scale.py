@@ -3,8 +3,9 @@ executors (four processes of 50, each executor its own gRPC server) serves 20,00
 and a third of the way through one process is killed, taking 50 executors with it.
 
 Every request must come back whole (those on the lost executors resume elsewhere), every
-executor must take part, and afterwards no request may run or wait anywhere and no KV block
-may stay in use. The run's rate is printed, not asserted (the machine is shared)."""
+executor must take part, and afterwards no request may run or wait anywhere, no KV block may
+stay in use, and the controller's memory must not have grown over the second half. The run's
+rate is printed, not asserted (the machine is shared)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,15 @@ IN_FLIGHT = 400  # requests the client keeps open
 POOL = 20  # client connections per HTTP connection pool
 
 pytestmark = pytest.mark.slow
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process, MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
 
 
 def start_sims(model: str, tmp: str) -> tuple[list[subprocess.Popen], list[int]]:
@@ -98,9 +108,13 @@ def test_twenty_thousand_requests_over_two_hundred_executors_one_process_lost(
         vocab = load_model_geometry(default_model_dir).vocab_size
         lost = set(ports[:PER_PROCESS])  # the first process's executors
 
+        rss_mid: list[float] = []
+
         def kill_one_process(done: int) -> None:
             if done == REQUESTS // 3:
                 procs[0].kill()
+            if done == REQUESTS // 2:
+                rss_mid.append(rss_mib(server.controller.pid))
 
         started = time.monotonic()
         results = asyncio.run(serve_all(server.base_url, server.model_name, vocab,
@@ -116,6 +130,9 @@ def test_twenty_thousand_requests_over_two_hundred_executors_one_process_lost(
             assert body["usage"]["completion_tokens"] == max_tokens
 
         state = server.wait_idle(timeout=60)
+        rss_end = rss_mib(server.controller.pid)
+        print(f"FLEET SCALE: controller RSS {rss_mid[0]:.0f} MiB halfway, {rss_end:.0f} at the end")
+        assert rss_end - rss_mid[0] < 32  # the second 10,000 requests leave nothing behind
         assert len(state) == len(ports)
         unhealthy = {int(e["address"].rsplit(":", 1)[1]) for e in state if not e["healthy"]}
         assert unhealthy == lost
