@@ -23,7 +23,9 @@ from common import convert
 _PREFIX = "tandem_sim:"
 _sizes: dict[int, int] = {}  # id() of a decoded StepInput -> its StepRequest size, until run
 # (by object, not step id: executors in one process each count their own steps from 1)
-_MAX_PENDING_SIZES = 64  # steps decoded but not yet run; older ones never ran (stream replaced)
+# Steps decoded but not yet run, across the process's executors (two or so each); older ones
+# never ran (their stream was replaced).
+_MAX_PENDING_SIZES = 4096
 _shared: SimMetrics | None = None  # the process's counters, created on first use
 
 
@@ -75,7 +77,7 @@ def install_step_size_probe() -> None:
         step = original(message)
         _sizes[id(step)] = message.ByteSize()
         if len(_sizes) > _MAX_PENDING_SIZES:  # a step decoded ahead whose stream was dropped
-            del _sizes[next(iter(_sizes))]
+            _sizes.pop(next(iter(_sizes)), None)  # another executor's thread may race us
         return step
 
     probed.sim_probe = True  # type: ignore[attr-defined]

@@ -128,10 +128,11 @@ def test_step_size_probe_forgets_steps_that_never_run():
     metrics.install_step_size_probe()
     message = convert.step_to_pb(StepInput(7, new_requests=[new("p", [1, 2, 3], 3)]))
     decoded = []
-    for step_id in range(1000, 1200):  # decoded ahead, their stream dropped before they ran
+    for step_id in range(metrics._MAX_PENDING_SIZES + 200):  # decoded ahead, never run
         message.step_id = step_id
         decoded.append(convert.step_from_pb(message))
     assert len(metrics._sizes) <= metrics._MAX_PENDING_SIZES
+    assert metrics.take_step_bytes(decoded[0]) == 0  # forgotten
     assert metrics.take_step_bytes(decoded[-1]) == message.ByteSize()
     assert metrics.take_step_bytes(decoded[-1]) == 0
 
