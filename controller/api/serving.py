@@ -290,7 +290,7 @@ class OpenAIServing:
             return self._sse(gens, fmt.stream_chunk, fmt, include_usage, ticket)
         choices = await self._collect(gens, http, ticket)
         if choices is None:
-            return _CLIENT_CLOSED
+            return _client_closed()
         for c in choices:
             c.prompt_index = c.index // req.n
         return JSONResponse(fmt.response(choices))
@@ -322,7 +322,7 @@ class OpenAIServing:
             return self._sse(gens, fmt.stream_chunk, fmt, include_usage, ticket)
         choices = await self._collect(gens, http, ticket)
         if choices is None:
-            return _CLIENT_CLOSED
+            return _client_closed()
         return JSONResponse(fmt.response(choices))
 
     # --- streaming ----------------------------------------------------------------------
@@ -377,9 +377,10 @@ def _sse_line(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-# What a handler returns once its client has left: nothing reaches the closed socket, and the
-# access log shows 499 (the status proxies use for "client closed request").
-_CLIENT_CLOSED = Response(status_code=499)
+def _client_closed() -> Response:
+    """What a handler returns once its client has left: nothing reaches the closed socket, and
+    the access log shows 499 (the status proxies use for "client closed request")."""
+    return Response(status_code=499)
 
 
 async def _client_gone(http: HTTPRequest) -> None:
