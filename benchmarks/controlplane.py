@@ -41,6 +41,7 @@ from tests.conftest import (  # noqa: E402
     executor_command,
     free_port,
     model_dir,
+    read_ports_files,
     spawn_controller,
     spawn_process,
     wait_until,
@@ -245,12 +246,7 @@ def start_sims(a: argparse.Namespace, tmp: str, count: int) -> tuple[list, list[
                             os.path.join(tmp, f"sim{count}-{i}.log")))
         ports_files.append(ports_file)
         metric_ports.append(metrics_port)
-    wait_until(lambda: all(os.path.exists(f) for f in ports_files), 120,
-               f"{count} simulated executors", logs=tmp)
-    ports: list[int] = []
-    for f in ports_files:
-        with open(f) as fh:
-            ports += [int(line) for line in fh if line.strip()]
+    ports = read_ports_files(ports_files, 120, logs=tmp)
     with httpx.Client() as client:
         for port in metric_ports:
             wait_until(lambda p=port: scrape_sim(client, p), 120, f"sim metrics on :{port}",

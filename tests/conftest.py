@@ -244,6 +244,27 @@ def spawn_controller(model: str, tmp_dir: str, args=(), name: str = "controller"
                       controller, [], [], tmp_dir)
 
 
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process, MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def read_ports_files(files: list[str], timeout: float, logs: str = "") -> list[int]:
+    """The ports that ``executor_sim --ports-file`` processes wrote, once every file exists
+    (each is written whole, once all of its process's executors serve), in file order."""
+    wait_until(lambda: all(os.path.exists(f) for f in files), timeout, "simulated executors",
+               logs=logs)
+    ports: list[int] = []
+    for path in files:
+        with open(path) as f:
+            ports += [int(line) for line in f if line.strip()]
+    return ports
+
+
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.2, logs: str = ""):
     """Poll `predicate` until it returns something truthy; fail with `what` after timeout."""
     deadline = time.time() + timeout

@@ -20,10 +20,11 @@ import httpx
 import pytest
 
 from tests.conftest import (
+    read_ports_files,
+    rss_mib,
     spawn_controller,
     spawn_process,
     wait_healthy_executors,
-    wait_until,
 )
 
 PROCESSES = 4  # simulator processes
@@ -33,15 +34,6 @@ IN_FLIGHT = 400  # requests the client keeps open
 POOL = 20  # client connections per HTTP connection pool
 
 pytestmark = pytest.mark.slow
-
-
-def rss_mib(pid: int) -> float:
-    """Resident memory of a process, MiB."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
 
 
 def start_sims(model: str, tmp: str) -> tuple[list[subprocess.Popen], list[int]]:
@@ -55,13 +47,7 @@ def start_sims(model: str, tmp: str) -> tuple[list[subprocess.Popen], list[int]]
              "--num-blocks", "256", "--step-fixed-ms", "10", "--step-per-token-us", "10",
              "--log-level", "WARNING"], os.path.join(tmp, f"sim{i}.log")))
         files.append(ports_file)
-    wait_until(lambda: all(os.path.exists(f) for f in files), 120, "simulated executors",
-               logs=tmp)
-    ports = []
-    for f in files:
-        with open(f) as fh:
-            ports += [int(line) for line in fh if line.strip()]
-    return procs, ports
+    return procs, read_ports_files(files, 120, logs=tmp)
 
 
 async def serve_all(base_url: str, model: str, vocab: int,

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import start_server
+from tests.conftest import rss_mib, start_server
 from tests.test_e2e import PROMPTS, assert_no_blocks_in_use
 from tests.test_fuzz import _gauge
 
@@ -19,14 +19,6 @@ CONCURRENCY = 300  # streams per wave
 SOAK_SECONDS = 45.0  # waves start until this much time has passed
 RSS_SLACK_MIB = 100  # allowed growth of the controller's resident memory
 REFERENCE = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
-
-
-def _rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
 
 
 async def _stream(http: httpx.AsyncClient, url: str, body: dict, leave_after: int | None):
@@ -84,7 +76,7 @@ def test_soak_streams_with_random_disconnects(soak_server):
     warm = asyncio.run(_wave(s.base_url, s.model_name, rng, 100))
     assert not [r for r in warm if r.startswith("error") or r in ("no-finish", "truncated")]
     s.wait_idle()
-    rss_warm = _rss_mib(s.controller.pid)
+    rss_warm = rss_mib(s.controller.pid)
 
     outcomes: dict[str, int] = {}
     started, waves = time.monotonic(), 0
@@ -105,7 +97,7 @@ def test_soak_streams_with_random_disconnects(soak_server):
     metrics = httpx.get(s.base_url + "/metrics", timeout=10).text
     assert _gauge(metrics, "vllm:num_requests_running") == 0
     assert _gauge(metrics, "vllm:kv_cache_usage_perc") == 0
-    rss_after = _rss_mib(s.controller.pid)
+    rss_after = rss_mib(s.controller.pid)
     assert rss_after - rss_warm < RSS_SLACK_MIB, (rss_warm, rss_after)
     again = httpx.post(s.base_url + "/v1/completions", json=REFERENCE, timeout=60).json()
     assert again["choices"][0]["text"] == reference["choices"][0]["text"]
