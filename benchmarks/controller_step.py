@@ -29,20 +29,20 @@ from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import convert  # noqa: E402
-from common.config import ExecutorConfig  # noqa: E402
-from common.pb import executor_pb2 as pb  # noqa: E402
-from common.step_types import SamplingParams, StepInput, StepOutput  # noqa: E402
+from common.wire import convert  # noqa: E402
+from common.wire.config import ExecutorConfig  # noqa: E402
+from common.wire.pb import executor_pb2 as pb  # noqa: E402
+from common.wire.step_types import SamplingParams, StepInput, StepOutput  # noqa: E402
 from controller.__main__ import tune_gc  # noqa: E402
-from controller.config import ControllerConfig  # noqa: E402
-from controller.engine import Engine  # noqa: E402
-from controller.executor_client import HandshakeResult  # noqa: E402
-from controller.outputs import GenerationRequest  # noqa: E402
-from controller.runner import ExecutorRunner  # noqa: E402
-from controller.tokenizer import Tokenizer  # noqa: E402
+from controller.core.outputs import GenerationRequest  # noqa: E402
+from controller.fleet.client import HandshakeResult  # noqa: E402
+from controller.fleet.engine import Engine  # noqa: E402
+from controller.fleet.session import ExecutorRunner  # noqa: E402
+from controller.settings import ControllerConfig  # noqa: E402
+from controller.text.tokenizer import Tokenizer  # noqa: E402
 from executor_sim.latency import LatencyModel  # noqa: E402
 from executor_sim.worker import SimOptions, SimWorker  # noqa: E402
-from tests.conftest import model_dir  # noqa: E402
+from tests.support.processes import model_dir  # noqa: E402
 
 
 @dataclass

@@ -35,8 +35,8 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common.models import load_model_geometry  # noqa: E402
-from tests.conftest import (  # noqa: E402
+from common.wire.model_config import load_model_geometry  # noqa: E402
+from tests.support.processes import (  # noqa: E402
     LiveServer,
     executor_command,
     free_port,

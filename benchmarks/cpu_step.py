@@ -28,16 +28,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common.config import ExecutorConfig  # noqa: E402
-from common.models import load_model_geometry  # noqa: E402
-from common.step_types import (  # noqa: E402
+from common.wire.config import ExecutorConfig  # noqa: E402
+from common.wire.model_config import load_model_geometry  # noqa: E402
+from common.wire.step_types import (  # noqa: E402
     CachedRequestData,
     NewRequestData,
     SamplingParams,
     StepInput,
 )
 from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
-from tests.conftest import model_dir  # noqa: E402
+from tests.support.processes import model_dir  # noqa: E402
 
 VARIANTS = ("torch", "fused", "packed")
 

@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from common.attention import AttentionMetadata, _decode_attention
-from common.models.layer_ops import TORCH_LAYER_OPS
+from common.torch.attention import AttentionMetadata, _decode_attention
+from common.torch.models.layer_ops import TORCH_LAYER_OPS
 
 BLOCK = 16  # tokens per KV block
 
@@ -65,8 +65,8 @@ def fabricated_meta(batch: int, context: int, device: torch.device) -> Attention
 
 def check_kernels(device: torch.device) -> dict:
     """Relative errors of the Triton kernels against the torch reference on the GPU."""
-    from executor_gpu import triton_attention
-    from executor_gpu import triton_layer_ops as ops
+    from executor_gpu.cuda import triton_attention
+    from executor_gpu.cuda import triton_layer_ops as ops
 
     out = {}
     gen = torch.Generator(device=device).manual_seed(0)
@@ -89,7 +89,7 @@ def check_kernels(device: torch.device) -> dict:
     res_ref = res.double() + x.double()
     out["add_rms_norm_bf16"] = rel_err(ops.add_rms_norm(x, res, w, 1e-5),
                                        TORCH_LAYER_OPS.rms_norm(res_ref, w.double(), 1e-5))
-    from common.models.llama import RotaryEmbedding
+    from common.torch.models.llama import RotaryEmbedding
 
     table = RotaryEmbedding(128, 8192, 500000.0, None).cos_sin.to(device)
     positions = torch.randint(0, 8192, (64,), generator=gen, device=device)
@@ -135,7 +135,7 @@ def sweep_attention(device: torch.device, full: bool) -> list[dict]:
     """The decode attention kernel alone, bf16, Llama-3-8B heads (32 query, 8 KV, 128 wide),
     at its own choice and one partition (``full``: every partition count and tile size);
     achieved KV bandwidth."""
-    from executor_gpu import triton_attention as ta
+    from executor_gpu.cuda import triton_attention as ta
 
     rows = []
     for batch, context in ((64, 256), (64, 1024), (16, 256), (1, 1024)):

@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.conftest import model_dir, start_server  # noqa: E402
+from tests.support.processes import model_dir, start_server  # noqa: E402
 
 TOPICS = ["the ocean", "a robot", "mountains", "coffee", "a library", "the moon", "trains",
           "a garden", "winter", "music", "a city at night", "bees", "a lighthouse", "chess",

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import os
 
 import uvicorn
 
-from common.rpc_token import read_token
-from controller.admission import Admission, AdmissionLimits
+from common.logs import configure_logging
+from common.wire.rpc_token import read_token
+from controller.api.admission import Admission, AdmissionLimits
 from controller.api.auth import DEFAULT_EXEMPT_PATHS, load_api_keys
 from controller.api.server import create_app
 from controller.api.serving import OpenAIServing
-from controller.config import ControllerConfig
-from controller.engine import Engine
-from controller.shutdown import GracefulServer
-from controller.tokenizer import Tokenizer
+from controller.api.shutdown import GracefulServer
+from controller.fleet.engine import Engine
+from controller.settings import ControllerConfig
+from controller.text.tokenizer import Tokenizer
 
 
 def parse_args(argv=None) -> ControllerConfig:
@@ -88,8 +88,7 @@ def parse_args(argv=None) -> ControllerConfig:
         if not kind or not tokens.isdigit() or (seqs and not seqs.isdigit()):
             p.error(f"--executor-limits {spec!r}: expected KIND=TOKENS[,SEQS]")
         kind_limits[kind] = (int(tokens), int(seqs) if seqs else a.max_num_seqs)
-    logging.basicConfig(level=a.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(a.log_level, service="controller")
     return ControllerConfig(
         model=a.model,
         served_model_name=a.served_model_name or os.path.basename(os.path.normpath(a.model)),

@@ -13,7 +13,7 @@ COPY common ./common
 COPY controller ./controller
 # The gRPC stubs are generated here (they are never tracked), with the grpcio the image keeps.
 RUN pip install "grpcio-tools>=1.66" \
- && python -m grpc_tools.protoc -Icommon/pb=proto --python_out=. --grpc_python_out=. proto/executor.proto \
+ && python -m grpc_tools.protoc -Icommon/wire/pb=proto --python_out=. --grpc_python_out=. proto/executor.proto \
  && pip install ".[controller]" \
  && pip uninstall -y grpcio-tools
 

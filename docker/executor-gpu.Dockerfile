@@ -13,7 +13,7 @@ COPY proto ./proto
 COPY common ./common
 COPY executor_gpu ./executor_gpu
 RUN pip install "grpcio-tools>=1.66" \
- && python -m grpc_tools.protoc -Icommon/pb=proto --python_out=. --grpc_python_out=. proto/executor.proto \
+ && python -m grpc_tools.protoc -Icommon/wire/pb=proto --python_out=. --grpc_python_out=. proto/executor.proto \
  && pip install ".[gpu]" \
  && pip uninstall -y grpcio-tools
 

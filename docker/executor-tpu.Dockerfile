@@ -13,7 +13,7 @@ COPY common ./common
 COPY executor_tpu ./executor_tpu
 # torch_xla must match torch's version (pyproject's tpu extra pins both); [tpu] adds libtpu.
 RUN pip install "grpcio-tools>=1.66" \
- && python -m grpc_tools.protoc -Icommon/pb=proto --python_out=. --grpc_python_out=. proto/executor.proto \
+ && python -m grpc_tools.protoc -Icommon/wire/pb=proto --python_out=. --grpc_python_out=. proto/executor.proto \
  && pip install ".[tpu]" "torch_xla[tpu]==2.9.0" \
  && pip uninstall -y grpcio-tools
 

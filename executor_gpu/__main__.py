@@ -8,7 +8,7 @@ import os
 # overall. Set before torch loads OpenMP; an explicit setting is kept. (No effect on CUDA.)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from common.executor_server import build_arg_parser, serve  # noqa: E402
+from common.host.server import build_arg_parser, serve  # noqa: E402
 from executor_gpu.worker import GPUWorker  # noqa: E402
 
 

@@ -1,15 +1,15 @@
 """GPUModelRunner: model, paged KV cache, persistent batch and sampling on CUDA (or the CPU).
 
-The step skeleton, model loading and KV allocation come from ``common.torch_runner``; this
+The step skeleton, model loading and KV allocation come from ``common.torch.runner``; this
 module runs a built step eagerly: one forward pass over every scheduled token, logits only for
 the rows that need them (sampling positions, prompt-logprob positions), one batched sampling
-pass (``common.sampling``), one device-to-host copy of the results.
+pass (``common.torch.sampling``), one device-to-host copy of the results.
 
 On CUDA it uses executor_gpu's Triton kernels: decode attention over the paged cache
 ("triton_paged") and the fused per-layer ops (``triton_layer_ops``), and replays pure decode
-steps from CUDA graphs (``cuda_graphs``; not with enforce_eager). On the CPU in float32 it uses
+steps from CUDA graphs (``cuda/graphs.py``; not with enforce_eager). On the CPU in float32 it uses
 the C++ kernels where they build: paged attention of decodes and prefill chunks ("cpu_paged")
-and the fused per-layer ops (``cpu_layer_ops``). TANDEM_CUDA_KERNELS=0 / TANDEM_CPU_KERNELS=0
+and the fused per-layer ops (``cpu/layer_ops.py``). TANDEM_CUDA_KERNELS=0 / TANDEM_CPU_KERNELS=0
 keep the torch implementations.
 """
 
@@ -20,24 +20,24 @@ import os
 
 import torch
 
-from common.attention import AttentionMetadata, get_attention_backend
-from common.config import ExecutorConfig, ModelGeometry
-from common.input_batch import RequestState, ScheduledRow, StepBatch
-from common.sampling import (
-    LogprobsTensors,
-    Sampler,
-    build_sampling_metadata,
-    compute_prompt_logprobs,
-)
-from common.torch_runner import (
+from common.torch.attention import AttentionMetadata, get_attention_backend
+from common.torch.input_batch import RequestState, ScheduledRow, StepBatch
+from common.torch.runner import (
     DUMMY_SAMPLING,
     RowResults,
     TorchModelRunner,
     prompt_logprob_count,
     split_prompt_logprobs,
 )
-from executor_gpu import cpu_kernels
-from executor_gpu.cuda_graphs import DecodeGraphs, capture_sizes
+from common.torch.sampling import (
+    LogprobsTensors,
+    Sampler,
+    build_sampling_metadata,
+    compute_prompt_logprobs,
+)
+from common.wire.config import ExecutorConfig, ModelGeometry
+from executor_gpu.cpu import kernels as cpu_kernels
+from executor_gpu.cuda.graphs import DecodeGraphs, capture_sizes
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class GPUModelRunner(TorchModelRunner):
         self.graphs: DecodeGraphs | None = None  # decode replay, set up by capture_model
         if self.device.type == "cuda" and os.environ.get("TANDEM_CUDA_KERNELS", "1") != "0":
             try:
-                from executor_gpu import triton_attention, triton_layer_ops
+                from executor_gpu.cuda import triton_attention, triton_layer_ops
             except ImportError as exc:  # no Triton: torch's operators, eager
                 log.warning("Triton kernels unavailable (%s): running torch operators", exc)
             else:
@@ -76,7 +76,9 @@ class GPUModelRunner(TorchModelRunner):
                 self.fused_ops = triton_layer_ops.CUDA_LAYER_OPS
         # On the CPU in float32: the C++ kernels for attention and the layer ops.
         if self.device.type == "cpu" and config.dtype == "float32" and cpu_kernels.enabled():
-            from executor_gpu import cpu_attention, cpu_decoder_stack, cpu_layer_ops
+            from executor_gpu.cpu import attention as cpu_attention
+            from executor_gpu.cpu import decoder_stack as cpu_decoder_stack
+            from executor_gpu.cpu import layer_ops as cpu_layer_ops
 
             if cpu_attention.register():  # attention in place in the paged cache
                 self.attention_backend = cpu_attention.BACKEND_NAME

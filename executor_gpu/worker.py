@@ -8,10 +8,10 @@ import time
 
 import torch
 
-from common.config import MemoryProfile
-from common.models import load_model_geometry
-from common.step_types import StepInput, StepOutput
-from common.worker_base import WorkerBase
+from common.host.worker_base import WorkerBase
+from common.wire.config import MemoryProfile
+from common.wire.model_config import load_model_geometry
+from common.wire.step_types import StepInput, StepOutput
 from executor_gpu.model_runner import GPUModelRunner, resolve_device
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import os
 
-from common.executor_server import (
+from common.host.server import (
     build_arg_parser,
     check_security_args,
     config_from_args,

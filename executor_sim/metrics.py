@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, disable_created_metrics
 
-from common import convert
+from common.wire import convert
 
 _PREFIX = "tandem_sim:"
 _sizes: dict[int, int] = {}  # id() of a decoded StepInput -> its StepRequest size, until run

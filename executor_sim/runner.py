@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import ExecutorConfig, ModelGeometry
-from common.model_runner_base import ModelRunnerBase
-from common.step_types import RequestStepOutput, SamplingParams, StepInput, StepOutput
+from common.host.model_runner_base import ModelRunnerBase
+from common.wire.config import ExecutorConfig, ModelGeometry
+from common.wire.step_types import RequestStepOutput, SamplingParams, StepInput, StepOutput
 from executor_sim.sampler import FakeSampler
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from common.step_types import SamplingParams, TokenLogprobs
+from common.wire.step_types import SamplingParams, TokenLogprobs
 
 _MASK = (1 << 64) - 1
 

@@ -7,10 +7,10 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from common.config import ExecutorConfig, MemoryProfile
-from common.models import load_model_geometry
-from common.step_types import StepInput, StepOutput
-from common.worker_base import WorkerBase
+from common.host.worker_base import WorkerBase
+from common.wire.config import ExecutorConfig, MemoryProfile
+from common.wire.model_config import load_model_geometry
+from common.wire.step_types import StepInput, StepOutput
 from executor_sim.latency import LatencyModel
 from executor_sim.metrics import install_step_size_probe, shared_metrics, take_step_bytes
 from executor_sim.runner import SimModelRunner

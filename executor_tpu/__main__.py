@@ -1,6 +1,6 @@
 """`python -m executor_tpu`: serve the Executor gRPC service on a TPU (or XLA:CPU)."""
 
-from common.executor_server import build_arg_parser, serve
+from common.host.server import build_arg_parser, serve
 from executor_tpu.options import add_tpu_arguments, options_from_args, select_pjrt_device
 
 

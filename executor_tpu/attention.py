@@ -10,7 +10,7 @@ number of combined heads must tile (1, 2, 4, 8 or a multiple of 8, per 32-bit wo
 size is a multiple of 128, so the layout may carry zero padding (``kv_heads_p >= kv_heads``,
 ``head_dim_p >= head_dim``); the gather backend needs none.
 
-Backends (registered in common.attention, selected by the model runner):
+Backends (registered in common.torch.attention, selected by the model runner):
 
 - ``xla_ragged`` — the ragged paged attention Pallas kernel (TPU only).
 - ``xla_gather`` — a reference for any XLA device (XLA:CPU in development and CI): every query
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from common.attention import register_attention_backend
+from common.torch.attention import register_attention_backend
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Sampling with static shapes: every tensor is [R, ...] for the step's request bucket R.
 
-The parameters and order of operations are those of common.sampling (the GPU executor's):
+The parameters and order of operations are those of common.torch.sampling (the GPU executor's):
 logprobs from the raw logits; repetition, frequency and presence penalties; stop ids masked
 before ``min_tokens``; greedy rows take the argmax; random rows divide by the temperature, keep
 top-k, then the top-p nucleus of the top-k distribution, then drop tokens below min-p times the
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.sampling import seed_key
-from common.step_types import SamplingParams, TokenLogprobs
+from common.torch.sampling import seed_key
+from common.wire.step_types import SamplingParams, TokenLogprobs
 
 #: Candidates of the ``topk`` variant.
 CANDIDATES = 256

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.input_batch import ScheduledRow
+from common.torch.input_batch import ScheduledRow
 
 #: Smallest default token bucket and request bucket.
 MIN_TOKEN_BUCKET = 16

@@ -8,10 +8,10 @@ import time
 
 import torch
 
-from common.config import ExecutorConfig, MemoryProfile
-from common.models import load_model_geometry
-from common.step_types import StepInput, StepOutput
-from common.worker_base import WorkerBase
+from common.host.worker_base import WorkerBase
+from common.wire.config import ExecutorConfig, MemoryProfile
+from common.wire.model_config import load_model_geometry
+from common.wire.step_types import StepInput, StepOutput
 from executor_tpu.options import TPUOptions, resolve_cache_dir, select_pjrt_device
 
 log = logging.getLogger(__name__)

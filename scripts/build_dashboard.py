@@ -1,8 +1,8 @@
 """Writes the Grafana dashboard of the chart (charts/tandem/dashboards/tandem-overview.json).
 
 The panels are listed here as (title, unit, [(legend, PromQL)]) so the queries are readable and
-reviewed in one place; tests/test_dashboard_live.py runs every query against a real Prometheus
-scraping a live fleet, and tests/test_metrics_format.py checks the JSON matches this script.
+reviewed in one place; tests/e2e/test_dashboard_live.py runs every query against a real Prometheus
+scraping a live fleet, and tests/e2e/test_metrics_format.py checks the JSON matches this script.
 Run: python scripts/build_dashboard.py [--check]
 """
 

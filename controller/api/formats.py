@@ -5,13 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from common.step_types import TokenLogprobs
+from common.wire.step_types import TokenLogprobs
 from controller.api.errors import APIError
-from controller.tokenizer import Tokenizer
+from controller.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from controller.api.serving import Prompt
-    from controller.outputs import OutputDelta
+    from controller.core.outputs import OutputDelta
+
+
+@dataclass
+class Prompt:
+    """A tokenized prompt."""
+
+    token_ids: list[int]  # token ids
+    text: str | None  # the text, when given as text
 
 
 @dataclass

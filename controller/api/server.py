@@ -22,7 +22,7 @@ from controller.api.protocol import (
     TokenizeRequest,
 )
 from controller.api.serving import OpenAIServing
-from controller.engine import Engine
+from controller.fleet.engine import Engine
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"

@@ -8,32 +8,23 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from common.step_types import SamplingParams
-from controller.admission import ABORT, Admission, AdmissionLimits, AdmissionRejected, Ticket
+from common.wire.step_types import SamplingParams
 from controller.api import formats
+from controller.api.admission import ABORT, Admission, AdmissionLimits, AdmissionRejected, Ticket
 from controller.api.errors import APIError
-from controller.api.formats import Choice
+from controller.api.formats import Choice, Prompt
 from controller.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
-from controller.engine import Engine, NoExecutorError
-from controller.outputs import GenerationRequest, OutputDelta
-from controller.tokenizer import Tokenizer
+from controller.core.outputs import GenerationRequest, OutputDelta
+from controller.fleet.engine import Engine, NoExecutorError
+from controller.text.tokenizer import Tokenizer
 
 # Template inputs the server sets itself; chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_VARS = frozenset(
     {"messages", "add_generation_prompt", "tools", "documents", "chat_template"})
-
-
-@dataclass
-class Prompt:
-    """A tokenized prompt."""
-
-    token_ids: list[int]  # token ids
-    text: str | None  # the text, when given as text
 
 
 class OpenAIServing:

@@ -1,0 +1,77 @@
+"""ModelRunnerBase: the part of an executor that owns the model, the KV cache and the batch.
+
+Device backends subclass it, through common.torch.runner.TorchModelRunner for the torch-based
+ones (executor_gpu.GPUModelRunner, executor_tpu.TPUModelRunner). The base keeps what every
+backend shares: the configuration, the loaded model, and the KV-cache spec derived from the
+model geometry. Everything that touches a device is virtual.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from common.wire.config import Capabilities, ExecutorConfig, KVCacheSpec, ModelGeometry
+from common.wire.step_types import StepInput, StepOutput
+
+_DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class ModelRunnerBase(abc.ABC):
+    """Owns the model, its KV cache and the persistent batch of one executor."""
+
+    def __init__(self, config: ExecutorConfig, geometry: ModelGeometry):
+        self.config = config  # executor configuration
+        self.geometry = geometry  # model geometry read from the checkpoint
+        self.model: Any = None  # set by load_model()
+        self.num_blocks = 0  # set by initialize_kv_cache()
+
+    def get_model(self) -> Any:
+        """The loaded model (None before load_model)."""
+        return self.model
+
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        """Block layout of the KV cache, from the model geometry and configured dtype."""
+        g = self.geometry
+        block_size = self.config.block_size
+        dtype_size = _DTYPE_SIZES[self.config.dtype]
+        per_block = 2 * block_size * g.num_kv_heads * g.head_dim * dtype_size * g.num_layers
+        return KVCacheSpec(
+            block_size=block_size, bytes_per_block=per_block, dtype=self.config.dtype
+        )
+
+    def get_capabilities(self) -> Capabilities:
+        """What this runner supports; static-shape backends add their buckets."""
+        return Capabilities(
+            chunked_prefill=self.config.chunked_prefill,
+            max_tokens_per_step=self.config.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+            max_logprobs=self.config.max_logprobs,
+        )
+
+    def reset(self) -> None:
+        """Forget every request (a new controller session starts)."""
+
+    @abc.abstractmethod
+    def load_model(self) -> None:
+        """Load the weights onto the device and set self.model."""
+
+    @abc.abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate num_blocks KV blocks on the device."""
+
+    @abc.abstractmethod
+    def execute_model(self, step: StepInput) -> StepOutput:
+        """Apply the step's diff to the persistent batch, run the forward pass, sample."""
+
+    @abc.abstractmethod
+    def dummy_run(self, num_tokens: int, num_reqs: int) -> None:
+        """Run a forward pass on fabricated inputs of the given size (no KV writes kept)."""
+
+    @abc.abstractmethod
+    def profile_run(self) -> int:
+        """Run the worst-case step; return the peak activation bytes it used."""
+
+    @abc.abstractmethod
+    def capture_model(self) -> int:
+        """Capture graphs / precompile shapes for serving; return how many were made."""

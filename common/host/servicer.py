@@ -1,0 +1,222 @@
+"""The Executor gRPC servicer, written once against WorkerBase.
+
+Thin by design: protobuf in, domain objects to the worker, protobuf out. One controller session
+at a time: InitDevice starts a new session (resetting request state), and every ExecuteModel
+stream replaces the one before it. A replaced stream runs no further step: its next request
+ends it with ABORTED, so two controllers never drive the device at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from common.host.worker_base import WorkerBase
+from common.wire import convert
+from common.wire.pb import executor_pb2 as pb
+from common.wire.pb import executor_pb2_grpc as pb_grpc
+from common.wire.step_types import StepInput, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+class ExecutorServicer(pb_grpc.ExecutorServicer):
+    """Serves one worker; device calls are serialized by a lock."""
+
+    def __init__(self, worker: WorkerBase):
+        self.worker = worker  # the device worker
+        self._lock = threading.Lock()  # one device call at a time
+        self._session = 0  # bumped by every InitDevice; older streams end
+        self._stream = 0  # bumped by every ExecuteModel; older streams end
+        self._streams_open = 0  # ExecuteModel calls in progress
+        self._state = threading.Condition()  # guards the stream counters
+
+    def load(self) -> None:
+        """Bind the device and load the weights (at startup, before reporting SERVING)."""
+        with self._lock:
+            self._ensure_loaded()
+
+    def _ensure_loaded(self) -> None:
+        if self.worker.model_runner is None:
+            self.worker.init_device()
+        self.worker.load_model()
+
+    def InitDevice(self, request: pb.InitDeviceRequest, context) -> pb.InitDeviceResponse:
+        with self._lock:
+            self._session += 1
+            self._ensure_loaded()
+            self.worker.configure(
+                request.max_num_batched_tokens, request.max_num_seqs, request.max_model_len
+            )
+            self.worker.reset()
+            info = self.worker.describe()
+        log.info(
+            "session %d: InitDevice from %s (%s %s, incarnation %s)",
+            self._session, context.peer(), info.device_kind, info.device_name,
+            info.incarnation_id[:8],
+        )
+        return convert.device_info_to_pb(info)
+
+    def ProfileMemory(self, request, context) -> pb.ProfileMemoryResponse:
+        with self._lock:
+            self._ensure_loaded()
+            profile = self.worker.determine_available_memory()
+        log.info("profiled: %.1f MiB for the KV cache", profile.available_kv_bytes / 2**20)
+        return convert.memory_profile_to_pb(profile)
+
+    def InitializeCache(self, request: pb.InitializeCacheRequest, context):
+        if request.num_blocks < 2:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_blocks must be at least 2")
+        with self._lock:
+            self._ensure_loaded()
+            seconds, graphs = self.worker.initialize_cache(request.num_blocks)
+        log.info(
+            "cache: %d blocks; warm-up %.2fs, %d graphs", request.num_blocks, seconds, graphs
+        )
+        return pb.InitializeCacheResponse(warmup_seconds=seconds, num_compiled_graphs=graphs)
+
+    @property
+    def streams_open(self) -> int:
+        """ExecuteModel streams in progress (a replaced one counts until it ends)."""
+        return self._streams_open
+
+    def wait_streams_closed(self, timeout: float) -> bool:
+        """Wait until no step stream is open; False if one still is after `timeout`."""
+        with self._state:
+            return self._state.wait_for(lambda: self._streams_open == 0, timeout)
+
+    def _replaced(self, session: int, stream: int) -> str:
+        if session != self._session:
+            return "replaced by a newer controller session (InitDevice)"
+        if stream != self._stream:
+            return "replaced by a newer step stream (ExecuteModel)"
+        return ""
+
+    def ExecuteModel(self, request_iterator, context):
+        if not self.worker.cache_initialized:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "InitializeCache first")
+        with self._state:
+            self._stream += 1
+            session, stream = self._session, self._stream
+            if self._streams_open:
+                log.warning("session %d: a new step stream from %s replaces the open one",
+                            session, context.peer())
+            self._streams_open += 1
+        log.info("session %d: step stream %d opened by %s", session, stream, context.peer())
+        try:
+            yield from self._steps(request_iterator, context, session, stream)
+        finally:
+            with self._state:
+                self._streams_open -= 1
+                self._state.notify_all()
+            log.info("session %d: step stream %d closed", session, stream)
+
+    def _steps(self, request_iterator, context, session: int, stream: int):
+        def execute(step: StepInput) -> tuple[StepInput, StepOutput]:
+            return step, self._execute(step, session, stream)
+
+        if self.worker.decode_steps_ahead:
+            outputs = _run_ahead(_decoded_ahead(request_iterator), execute)
+        else:
+            outputs = (execute(convert.step_from_pb(r)) for r in request_iterator)
+        try:
+            for step, output in outputs:
+                yield convert.result_to_pb(output, step)  # packed: a token per request
+        except _StepAborted as exc:
+            context.abort(exc.code, exc.details)
+
+    def _execute(self, step: StepInput, session: int, stream: int) -> StepOutput:
+        """Run one step on the worker, unless the stream was replaced (_StepAborted)."""
+        started = time.perf_counter()
+        with self._lock:
+            replaced = self._replaced(session, stream)
+            if replaced:
+                log.warning("session %d: step stream %d ends: %s", session, stream, replaced)
+                raise _StepAborted(grpc.StatusCode.ABORTED, replaced)
+            try:
+                output = self.worker.execute_model(step)
+            except Exception as exc:  # the whole step failed: the controller retries
+                log.exception("step %d failed", step.step_id)
+                raise _StepAborted(grpc.StatusCode.INTERNAL,
+                                   f"step {step.step_id} failed: {exc}") from exc
+        if not output.device_seconds:
+            output.device_seconds = time.perf_counter() - started
+        return output
+
+
+class _StepAborted(Exception):
+    """A step the stream must end on, with this status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+_END = object()
+
+
+def _decoded_ahead(requests) -> Iterator[StepInput]:
+    """The stream's steps, read and converted from protobuf on a reader thread, so that a step
+    the controller sent ahead (pipelined) is ready when the one running ends: its decoding
+    overlaps the device's work instead of following it. An error reading the stream (it was
+    cancelled) is raised here, in order. The queue is unbounded: the controller bounds the steps
+    in flight."""
+    ready, _ = _on_thread((convert.step_from_pb(r) for r in requests), "step-reader")
+    yield from _drain(ready)
+
+
+def _run_ahead(steps: Iterator[StepInput], execute) -> Iterator:
+    """The outputs of ``execute`` over ``steps``, run on a thread of their own: while the
+    stream's thread converts and sends step N's result, the device already runs step N+1, as
+    an asynchronous executor would (the send waits for gRPC's write to complete). Errors,
+    ``_StepAborted`` included, are raised here after the outputs before them. When the consumer
+    stops (the stream ended), no further step is started."""
+    stopped = threading.Event()
+
+    def outputs():
+        for step in steps:
+            if stopped.is_set():
+                return
+            yield execute(step)
+
+    ready, runner = _on_thread(outputs(), "step-runner")
+    try:
+        yield from _drain(ready)
+    finally:
+        stopped.set()
+        runner.join(timeout=30)  # a step already started finishes before the stream counts closed
+
+
+def _on_thread(items: Iterator, name: str) -> tuple[queue.SimpleQueue, threading.Thread]:
+    """Iterate ``items`` on a daemon thread into a queue (see ``_drain``): its values in
+    order, then an exception it raised, then the end marker."""
+    ready: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run() -> None:
+        try:
+            for item in items:
+                ready.put(item)
+        except Exception as exc:  # surfaced to the consumer, in order
+            ready.put(exc)
+        finally:
+            ready.put(_END)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return ready, thread
+
+
+def _drain(ready: queue.SimpleQueue) -> Iterator:
+    """What ``_on_thread`` queued, until its end; an exception it queued is raised here."""
+    while True:
+        item = ready.get()
+        if item is _END:
+            return
+        if isinstance(item, Exception):
+            raise item
+        yield item

@@ -1,0 +1,365 @@
+"""The Llama family (Llama, Mistral, Qwen2) in plain torch, over a paged KV cache.
+
+The model takes a flat ragged batch of T tokens from several requests (``input_ids[T]``,
+``positions[T]`` and the step's ``AttentionMetadata``) and returns the final-normed hidden state
+of every token; ``compute_logits`` projects only the rows a step needs.
+
+Query/key/value projections and gate/up projections are each fused into one matmul
+(``qkv_proj``, ``gate_up_proj``); the weight loader fills their shards from the checkpoint's
+separate tensors. Mistral/Qwen2 sliding-window attention is not implemented: every layer attends
+to the full context, which matches those models for sequences within the window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from common.torch.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from common.torch.models.layer_ops import TORCH_LAYER_OPS, LayerOps
+
+# A device's whole-stack forward: (embeddings, positions, metadata) -> the final-normed hidden
+# states, or None where it does not apply (then the layers run one by one).
+StackForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], "torch.Tensor | None"]
+
+
+@dataclass
+class LlamaArgs:
+    """Hyper-parameters of a Llama-family checkpoint, read from its config.json."""
+
+    vocab_size: int  # rows of the embedding / logits width
+    hidden_size: int  # model width
+    intermediate_size: int  # MLP width
+    num_layers: int  # decoder layers
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (GQA)
+    head_dim: int  # size of one head
+    rms_norm_eps: float  # RMSNorm epsilon
+    rope_theta: float  # RoPE base
+    rope_scaling: dict[str, Any] | None  # RoPE scaling parameters; None = plain RoPE
+    max_position_embeddings: int  # positions the model was trained for
+    tie_word_embeddings: bool  # lm_head shares the embedding matrix
+    qkv_bias: bool  # q/k/v projections have a bias (Qwen2, Llama attention_bias)
+    o_bias: bool  # output projection has a bias (Llama attention_bias)
+    mlp_bias: bool  # MLP projections have a bias
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> LlamaArgs:
+        """Parse a checkpoint config.json dict (older and newer RoPE key styles)."""
+        heads = cfg["num_attention_heads"]
+        rope = dict(cfg.get("rope_parameters") or {})
+        legacy = cfg.get("rope_scaling")
+        if legacy:
+            rope.update(legacy)
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        arch = (cfg.get("architectures") or [""])[0]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        is_qwen2 = cfg.get("model_type") == "qwen2" or arch.startswith("Qwen2")
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=None if kind == "default" else {**rope, "rope_type": kind},
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+        )
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float,
+                             scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies (float32, [head_dim/2]) and the position divisor.
+
+    Supports plain RoPE, ``linear`` scaling (positions divided by the factor) and ``llama3``
+    scaling (long wavelengths slowed by the factor, a smooth blend in between).
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq, 1.0
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq, float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        blend = ((old_len / wavelen) - low) / (high - low)
+        blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        middle = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(middle, blended, scaled), 1.0
+    raise NotImplementedError(f"RoPE scaling type {kind!r} is not supported")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (half-split rotation) from a precomputed cos/sin table."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.theta = theta
+        self.scaling = scaling
+        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+        self.rebuild()
+
+    def rebuild(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the float32 table [max_positions, head_dim] of cos | sin halves."""
+        if device is None:
+            device = self.cos_sin.device if self.cos_sin.device.type != "meta" else "cpu"
+        inv_freq, divisor = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling)
+        pos = torch.arange(self.max_positions, dtype=torch.float32, device="cpu") / divisor
+        freqs = pos[:, None] * inv_freq[None, :]
+        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, optionally of ``x + residual`` (the residual updated in place)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.eps = eps
+        self.ops: LayerOps = TORCH_LAYER_OPS
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalize the last axis of x (of residual + x, stored into residual, if given)."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Linear(nn.Module):
+    """``y = x @ weight + bias`` with ``weight`` stored [in, out] (the checkpoint's transpose).
+
+    The [in, out] layout makes the matmul a plain (non-transposed) GEMM, which several BLAS
+    libraries run much faster for the small row counts of decode steps. The output columns may
+    stack several checkpoint tensors (``shard_sizes``, e.g. q|k|v); ``load_tensor`` fills them.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.shard_sizes = list(shard_sizes)  # output columns of each stacked checkpoint tensor
+        out = sum(shard_sizes)
+        self.weight = nn.Parameter(torch.empty(in_features, out, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out, dtype=dtype)) if bias else None
+        self.ops: LayerOps = TORCH_LAYER_OPS
+
+    def shard_slice(self, shard: int) -> slice:
+        """Output columns holding shard ``shard``."""
+        start = sum(self.shard_sizes[:shard])
+        return slice(start, start + self.shard_sizes[shard])
+
+    def load_tensor(self, param: str, tensor: torch.Tensor, shard: int = 0) -> None:
+        """Copy a checkpoint tensor (``weight`` [out, in] or ``bias`` [out]) into shard."""
+        cols = self.shard_slice(shard)
+        if param == "weight":
+            dest, src = self.weight.data[:, cols], tensor.t()
+        elif param == "bias" and self.bias is not None:
+            dest, src = self.bias.data[cols], tensor
+        else:
+            raise KeyError(f"no parameter {param!r}")
+        if dest.shape != src.shape:
+            raise ValueError(f"{param} shard {shard}: checkpoint {tuple(tensor.shape)} does not "
+                             f"fit {tuple(dest.shape)}")
+        dest.copy_(src)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out]."""
+        return self.ops.linear(x, self.weight, self.bias)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache."""
+
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads = args.num_heads
+        self.num_kv_heads = args.num_kv_heads
+        self.head_dim = args.head_dim
+        q_size = args.num_heads * args.head_dim
+        kv_size = args.num_kv_heads * args.head_dim
+        self.qkv_proj = Linear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias,
+                               dtype)
+        self.o_proj = Linear(q_size, [args.hidden_size], args.o_bias, dtype)
+        self.scale = args.head_dim ** -0.5
+        self.kv_cache: torch.Tensor | None = None  # bound by LlamaForCausalLM.bind_kv_cache
+        self.backend: AttentionBackend = get_attention_backend("torch")
+        self.ops: LayerOps = TORCH_LAYER_OPS
+
+    def forward(self, rope: Any, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; ``rope`` is the step's rotation (``LayerOps``)."""
+        t = x.shape[0]
+        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # Queries and keys are adjacent heads: rotate them in one pass.
+        qk = self.ops.rotary(qkv, self.num_heads + self.num_kv_heads, rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
+        out = self.backend(q, k, v, self.kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward block."""
+
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype):
+        super().__init__()
+        inter = args.intermediate_size
+        self.gate_up_proj = Linear(args.hidden_size, [inter, inter], args.mlp_bias, dtype)
+        self.down_proj = Linear(inter, [args.hidden_size], args.mlp_bias, dtype)
+        self.ops: LayerOps = TORCH_LAYER_OPS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP with residual connections."""
+
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = LlamaAttention(args, dtype)
+        self.mlp = LlamaMLP(args, dtype)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+
+    def forward(self, rope: Any, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer. The residual stream is carried separately: the layer's input is
+        ``residual + x`` (just ``x`` for the first layer, residual None), which the input norm
+        forms in place; returns (this layer's MLP output, the residual stream before it)."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(rope, h, meta), residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder stack and final norm."""
+
+    def __init__(self, args: LlamaArgs, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
+        self.rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta,
+                                      args.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(args, dtype) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over a paged KV cache (also Mistral and Qwen2 checkpoints).
+
+    Parameter names follow the checkpoint's (``model.layers.N.self_attn...``) except for the
+    fused ``qkv_proj`` / ``gate_up_proj``; see ``stacked_params``.
+    """
+
+    #: (fused parameter, checkpoint name part, shard index) for the weight loader.
+    stacked_params = [
+        ("qkv_proj", "q_proj", 0),
+        ("qkv_proj", "k_proj", 1),
+        ("qkv_proj", "v_proj", 2),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(self, config: dict[str, Any], dtype: torch.dtype = torch.float32,
+                 max_model_len: int = 0):
+        super().__init__()
+        self.args = LlamaArgs.from_config(config)
+        self.dtype = dtype
+        max_positions = max(self.args.max_position_embeddings, max_model_len)
+        self.model = LlamaModel(self.args, max_positions, dtype)
+        self.layer_ops: LayerOps = TORCH_LAYER_OPS
+        # The output embedding in the form layer_ops.logits takes (None: lm_head.weight as is).
+        self.logits_weight: torch.Tensor | None = None
+        # A device's whole-stack forward (see StackForward), or None: the layers one by one.
+        self.stack_forward: StackForward | None = None
+        self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False,
+                                 dtype=dtype)
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def tie_weights(self) -> None:
+        """Re-share lm_head with the embeddings (after moving parameters)."""
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def post_load(self, device: torch.device | str) -> None:
+        """Rebuild buffers that are not loaded from the checkpoint (the RoPE table)."""
+        self.model.rotary.rebuild(device)
+
+    def bind_kv_cache(self, kv_caches: list[torch.Tensor] | None) -> None:
+        """Attach one KV tensor per layer (see common.torch.attention for the layout); None
+        unbinds."""
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.kv_cache = None if kv_caches is None else kv_caches[i]
+
+    def set_layer_ops(self, ops: LayerOps) -> None:
+        """Use ``ops`` for every layer's linear layers, norms, rotary embedding and
+        SiLU-and-multiply, and for the logits. Call once, after the weights are loaded: the
+        linear layers' weights and the output embedding are converted to the layouts ``ops``
+        takes (a tied output embedding keeps its input-embedding original beside the copy)."""
+        self.layer_ops = ops
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
+            if isinstance(module, Linear):
+                module.weight.data = ops.prepare_linear(module.weight.data)
+        embedding = self.lm_head.weight.data
+        prepared = ops.prepare_logits(embedding)
+        self.logits_weight = None if prepared is embedding else prepared
+        if self.logits_weight is not None and not self.args.tie_word_embeddings:
+            self.lm_head.weight.data = prepared  # the original is needed no more
+
+    def set_stack_forward(self, fn: StackForward | None) -> None:
+        """Run the decoder layers and final norm through ``fn`` where it applies; it must compute
+        what the layers compute (see ``forward``)."""
+        self.stack_forward = fn
+
+    def set_attention_backend(self, name: str) -> None:
+        """Select the attention implementation registered under ``name``."""
+        backend = get_attention_backend(name)
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] (after the final norm) of a flat batch of T tokens."""
+        x = self.model.embed_tokens(input_ids)
+        if self.stack_forward is not None:
+            hidden = self.stack_forward(x, positions, attn_metadata)
+            if hidden is not None:
+                return hidden
+        rope = self.layer_ops.rope_for_step(self.model.rotary.cos_sin, positions, x.dtype)
+        residual = None
+        for layer in self.model.layers:
+            x, residual = layer(rope, x, residual, attn_metadata)
+        return self.model.norm(x, residual)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [S, vocab] of the selected hidden rows [S, hidden]."""
+        weight = self.logits_weight if self.logits_weight is not None else self.lm_head.weight
+        return self.layer_ops.logits(hidden, weight)

@@ -1,0 +1,204 @@
+"""TorchModelRunner: what every torch-based model runner shares, whatever the device.
+
+A step goes through the same stages on every device:
+
+1. apply the controller's diff to the persistent batch (``InputBatch.schedule``): the rows to
+   compute, and per-request errors for requests that fail validation;
+2. run the rows on the device (``run_rows``, the one stage each device implements: inputs,
+   forward, logits, sampling, logprobs) and bring back host results (``RowResults``);
+3. turn those into ``RequestStepOutput``s in the step's order, append sampled tokens to the
+   requests' state, drop the state of requests that failed.
+
+Model loading, KV-cache allocation and the fabricated rows of warm-up / profiling runs are
+shared too; a device adjusts them through small hooks (``load_device``, ``place_model``,
+``kv_cache_shape``, ``after_kv_cache_allocated``). Nothing here names a device.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from common.host.model_runner_base import ModelRunnerBase
+from common.torch.input_batch import InputBatch, RequestState, ScheduledRow
+from common.torch.models import build_model
+from common.wire.config import ExecutorConfig, ModelGeometry
+from common.wire.step_types import (
+    RequestStepOutput,
+    SamplingParams,
+    StepInput,
+    StepOutput,
+    TokenLogprobs,
+)
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: Worst-case sampling for dummy runs: random with every filter, penalties and logprobs.
+DUMMY_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, logprobs=5,
+                                presence_penalty=0.1, repetition_penalty=1.1)
+
+
+@dataclass
+class RowResults:
+    """Host results of running a step's rows on the device; lists follow the rows' order."""
+
+    sampled: list[int | None]  # sampled token per row; None where the row does not sample
+    logprobs: list[TokenLogprobs | None]  # logprobs of that token, where asked for
+    prompt_logprobs: list[list[TokenLogprobs]]  # prompt positions computed in this step
+    failed: set[int] = field(default_factory=set)  # rows whose values were not finite
+
+    @classmethod
+    def empty(cls, num_rows: int) -> RowResults:
+        """Results with nothing sampled and no logprobs, to fill in."""
+        return cls([None] * num_rows, [None] * num_rows, [[] for _ in range(num_rows)])
+
+
+def prompt_logprob_count(row: ScheduledRow, max_logprobs: int) -> int:
+    """Top logprobs returned per prompt position of ``row`` (its request's ask, capped)."""
+    return min(row.state.sampling.prompt_logprobs or 0, max_logprobs)
+
+
+def split_prompt_logprobs(rows: list[ScheduledRow], row_ids: list[int],
+                          flat: list[TokenLogprobs | None]) -> dict[int, list[TokenLogprobs]]:
+    """Split prompt logprobs laid out row after row (``row_ids`` in order, each
+    ``num_prompt_logprobs`` positions) into per-row lists."""
+    result, pos = {}, 0
+    for i in row_ids:
+        n = rows[i].num_prompt_logprobs
+        result[i] = [lp for lp in flat[pos:pos + n] if lp is not None]
+        pos += n
+    return result
+
+
+class TorchModelRunner(ModelRunnerBase):
+    """The shared torch runner: model, KV cache, persistent batch and the step skeleton.
+
+    Subclasses set ``self.device`` (through ``__init__``), may override the hooks, and
+    implement ``run_rows`` plus the warm-up methods of ``ModelRunnerBase``.
+    """
+
+    #: Registered name of the attention implementation (see common.torch.attention).
+    attention_backend = "torch"
+
+    def __init__(self, config: ExecutorConfig, geometry: ModelGeometry, device: torch.device,
+                 batch_device: torch.device | str | None = None):
+        super().__init__(config, geometry)
+        self.device = device  # where weights and the KV cache live
+        self.dtype = DTYPES[config.dtype]  # weights / activations / KV dtype
+        self.kv_caches: list[torch.Tensor] = []  # one per layer, shape from kv_cache_shape()
+        # Step tensors built by InputBatch.build go to batch_device (the device by default).
+        self.input_batch = InputBatch(config.block_size, geometry.vocab_size,
+                                      geometry.max_model_len, batch_device or device)
+        self.weights_bytes = 0  # set by load_model()
+
+    # --- hooks ----------------------------------------------------------------------------
+
+    def load_device(self) -> torch.device | str:
+        """Where the checkpoint is loaded (the device itself unless overridden)."""
+        return self.device
+
+    def place_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move a loaded model to the device when it was loaded elsewhere."""
+        return model
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's KV tensor (common.torch.attention's layout by default)."""
+        g = self.geometry
+        return (2, num_blocks, self.config.block_size, g.num_kv_heads, g.head_dim)
+
+    def after_kv_cache_allocated(self) -> None:
+        """Called once the KV tensors are allocated and bound."""
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        """Build the model, load its weights, place it on the device."""
+        model = build_model(self.config.model, self.dtype, self.load_device(),
+                            self.geometry.max_model_len, self.config.load_format)
+        model.set_attention_backend(self.attention_backend)
+        self.model = self.place_model(model)
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate num_blocks zeroed KV blocks per layer and bind them to the model."""
+        self.kv_caches = []
+        self.model.bind_kv_cache(None)
+        shape = self.kv_cache_shape(num_blocks)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(self.geometry.num_layers)]
+        self.model.bind_kv_cache(self.kv_caches)
+        self.num_blocks = num_blocks
+        # The controller may have lowered max_model_len since the batch was created.
+        self.input_batch.max_model_len = self.geometry.max_model_len
+        self.after_kv_cache_allocated()
+
+    def reset(self) -> None:
+        """Forget every request."""
+        self.input_batch.clear()
+
+    # --- steps ----------------------------------------------------------------------------
+
+    def execute_model(self, step: StepInput) -> StepOutput:
+        """Run one step; a request that fails (bad schedule, non-finite values) gets an error
+        and its state is dropped, the others are unaffected."""
+        started = time.perf_counter()
+        rows, errors = self.input_batch.schedule(step)
+        outputs = {rid: RequestStepOutput(rid, error=msg) for rid, msg in errors.items()}
+        if rows:
+            try:
+                outputs.update(self._assemble(rows, self.run_rows(rows)))
+            except Exception as exc:  # the whole pass failed: fail this step's requests
+                log.exception("step %d failed", step.step_id)
+                for row in rows:
+                    rid = row.state.request_id
+                    outputs[rid] = RequestStepOutput(rid, error=f"step failed: {exc!r}")
+                    self.input_batch.remove(rid)
+        order = [r.request_id for r in step.new_requests] + [
+            r.request_id for r in step.cached_requests]
+        ordered = [outputs.pop(rid) for rid in order if rid in outputs]
+        return StepOutput(step_id=step.step_id, outputs=ordered,
+                          device_seconds=time.perf_counter() - started)
+
+    @abc.abstractmethod
+    def run_rows(self, rows: list[ScheduledRow]) -> RowResults:
+        """Forward, logits, sampling and logprobs of validated rows; host results."""
+
+    def _assemble(self, rows: list[ScheduledRow],
+                  results: RowResults) -> dict[str, RequestStepOutput]:
+        outputs: dict[str, RequestStepOutput] = {}
+        for i, row in enumerate(rows):
+            rid = row.state.request_id
+            if i in results.failed:
+                outputs[rid] = RequestStepOutput(rid, error="non-finite values in the forward")
+                self.input_batch.remove(rid)
+                continue
+            out = RequestStepOutput(rid, prompt_logprobs=results.prompt_logprobs[i])
+            token = results.sampled[i] if row.samples else None
+            if token is not None:
+                out.sampled_token_id = token
+                out.logprobs = results.logprobs[i]
+                row.state.token_ids.append(token)
+            outputs[rid] = out
+        return outputs
+
+    # --- fabricated work (profiling, warm-up) ---------------------------------------------
+
+    def dummy_rows(self, num_tokens: int, num_reqs: int, computed: int = 0,
+                   sampling: SamplingParams = DUMMY_SAMPLING) -> list[ScheduledRow]:
+        """``num_reqs`` fabricated rows sharing ``num_tokens`` tokens, each after ``computed``
+        cached tokens, every block the reserved null block 0. No state is registered."""
+        bs = self.config.block_size
+        rows = []
+        for i in range(num_reqs):
+            n = num_tokens // num_reqs + (1 if i < num_tokens % num_reqs else 0)
+            length = computed + n
+            state = RequestState(f"dummy-{i}", [i % self.geometry.vocab_size] * length, length,
+                                 [0] * -(-length // bs), sampling)
+            rows.append(ScheduledRow(state, computed, n, True, 0))
+        return rows

@@ -1,0 +1,380 @@
+"""KV-cache block allocation with prefix caching, for one executor's block pool.
+
+The controller owns the executor's KV memory as `num_blocks` fixed-size blocks of `block_size`
+token slots. Block 0 is a null block that is never handed out. A block that is full of known
+tokens gets a chained hash of its contents (the hash of the block before it plus its token ids),
+so a later request whose prompt starts with the same tokens reuses the block instead of
+recomputing it. Freed blocks keep their hash and stay findable until the pool needs them again
+(lazy eviction, least recently freed first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from controller.core.request import Request
+
+ROOT_HASH = b"tandem-kv-v1"  # parent "hash" of a sequence's first block
+
+
+def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """Chained hash of one full block: stable across processes and machines (16 bytes)."""
+    packed = array("i", token_ids)
+    if sys.byteorder == "big":
+        packed.byteswap()  # always hash little-endian int32s
+    digest = hashlib.blake2b(parent_hash, digest_size=16)
+    digest.update(packed.tobytes())
+    return digest.digest()
+
+
+def hash_token_blocks(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Hashes of every full block of `token_ids`, in order (the last partial block has none)."""
+    hashes: list[bytes] = []
+    parent = ROOT_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(eq=False, slots=True)
+class KVBlock:
+    """One block of the pool. Blocks compare by identity."""
+
+    block_id: int  # index into the executor's KV cache
+    ref_count: int = 0  # live requests whose block table holds this block
+    block_hash: bytes | None = None  # chained hash once cached; None = not reusable
+    prev: KVBlock | None = None  # free-queue link towards the head (evicted first)
+    next: KVBlock | None = None  # free-queue link towards the tail
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks in eviction order, O(1) at both ends and in the middle."""
+
+    def __init__(self) -> None:
+        self._head = KVBlock(-1)  # sentinel before the first block
+        self._tail = KVBlock(-1)  # sentinel after the last block
+        self._head.next = self._tail
+        self._tail.prev = self._head
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _link(self, block: KVBlock, before: KVBlock, after: KVBlock) -> None:
+        block.prev, block.next = before, after
+        before.next = block
+        after.prev = block
+        self._len += 1
+
+    def append(self, block: KVBlock) -> None:
+        """Put a block at the tail (evicted last)."""
+        assert self._tail.prev is not None
+        self._link(block, self._tail.prev, self._tail)
+
+    def appendleft(self, block: KVBlock) -> None:
+        """Put a block at the head (evicted first)."""
+        assert self._head.next is not None
+        self._link(block, self._head, self._head.next)
+
+    def remove(self, block: KVBlock) -> None:
+        """Take a block out of the queue, wherever it is."""
+        assert block.prev is not None and block.next is not None, "block is not free"
+        block.prev.next = block.next
+        block.next.prev = block.prev
+        block.prev = block.next = None
+        self._len -= 1
+
+    def popleft(self) -> KVBlock:
+        """Take the block at the head."""
+        block = self._head.next
+        if block is None or block is self._tail:
+            raise IndexError("no free block")
+        self.remove(block)
+        return block
+
+    def block_ids(self) -> list[int]:
+        """Ids from head to tail (for tests and debugging; O(n))."""
+        ids = []
+        block = self._head.next
+        while block is not None and block is not self._tail:
+            ids.append(block.block_id)
+            block = block.next
+        return ids
+
+
+class BlockPool:
+    """All KV blocks of one executor: the free queue and the hash -> cached block map."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}"
+            )
+        self.num_blocks = num_blocks  # including the null block
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]  # indexed by block id
+        self.null_block = self.blocks[0]  # reserved, never handed out
+        self.null_block.ref_count = 1
+        self.free_queue = FreeBlockQueue()  # free blocks, eviction order
+        for block in self.blocks[1:]:
+            self.free_queue.append(block)
+        self.cached: dict[bytes, KVBlock] = {}  # block hash -> block holding those tokens
+        self.num_evictions = 0  # cached blocks whose hash was dropped for reuse
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached or not)."""
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks some live request holds (null block excluded)."""
+        return self.num_blocks - 1 - len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the usable blocks in use, 0..1."""
+        return self.num_used_blocks / (self.num_blocks - 1)
+
+    def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
+        """The block cached under this hash, in use or free, or None."""
+        return self.cached.get(block_hash)
+
+    def get_new_blocks(self, count: int) -> list[KVBlock]:
+        """Take `count` blocks from the head of the free queue, dropping their old hashes."""
+        if count > len(self.free_queue):
+            raise ValueError(f"asked for {count} blocks, {len(self.free_queue)} free")
+        blocks = []
+        for _ in range(count):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                self.uncache(block)
+                self.num_evictions += 1
+            block.ref_count = 1
+            blocks.append(block)
+        return blocks
+
+    def touch(self, blocks: Sequence[KVBlock]) -> None:
+        """Take a reference on cached blocks (prefix hit), pulling free ones out of the queue."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
+        """Make a full block findable under `block_hash`.
+
+        If another block already holds the same tokens, this one stays uncached (a duplicate).
+        """
+        if block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def uncache(self, block: KVBlock) -> None:
+        """Drop a block's hash so that no prefix lookup finds it."""
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+
+    def free_blocks(self, blocks: Sequence[KVBlock]) -> None:
+        """Release one reference on each block of a block table (given in table order).
+
+        Blocks that become free go to the tail in reverse table order, so a sequence's last
+        blocks are evicted before its first ones; uncached blocks go to the head.
+        """
+        for block in reversed(blocks):
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block.block_id} freed twice"
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is in use."""
+        if self.num_used_blocks > 0:
+            return False
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+        return True
+
+
+class KVCacheManager:
+    """Block tables of the live requests of one executor, with prefix caching.
+
+    A request's block table grows as the scheduler allocates slots for it. Blocks that are full
+    of known tokens are hashed and cached as soon as they are allocated for computing, so two
+    requests admitted in the same step already share their common prefix: an executor writes the
+    KV of every scheduled token before any attention of that step reads it.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size  # tokens per block
+        self.enable_prefix_caching = enable_prefix_caching  # look up / cache full blocks
+        self.pool = BlockPool(num_blocks)  # the blocks
+        self._tables: dict[str, list[KVBlock]] = {}  # request id -> its blocks, in order
+        self._num_cached: dict[str, int] = {}  # request id -> leading blocks already cached
+        self.prefix_cache_queries = 0  # tokens of admitted requests looked up (cumulative)
+        self.prefix_cache_hits = 0  # of those, tokens found in the cache (cumulative)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the usable blocks in use, 0..1."""
+        return self.pool.usage
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by live requests."""
+        return self.pool.num_used_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not held by any request (some may still be prefix-cached)."""
+        return self.pool.num_free_blocks
+
+    def _update_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
+        """Extend `request.block_hashes` to cover its first `num_full_blocks` full blocks."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        for i in range(len(hashes), num_full_blocks):
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(
+                hash_block_tokens(parent, request.token_ids_between(i * bs, (i + 1) * bs))
+            )
+        return hashes
+
+    def _max_hit_blocks(self, num_tokens: int) -> int:
+        # The last token is always recomputed: it must produce the logits of the next token.
+        return max(num_tokens - 1, 0) // self.block_size
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of a request's tokens: (its blocks, its length in tokens).
+
+        Walks the hashes of the full blocks from the start and stops at the first miss; at most
+        `num_tokens - 1` tokens can hit, rounded down to whole blocks. Takes no reference: pass
+        the blocks to `allocate_slots`, which also counts the query and the hit.
+        """
+        if not self.enable_prefix_caching or request.sampling.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt position computed, so no prefix is reused.
+            return [], 0
+        hashes = self._update_hashes(request, self._max_hit_blocks(request.num_tokens))
+        blocks: list[KVBlock] = []
+        for block_hash in hashes[: self._max_hit_blocks(request.num_tokens)]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def peek_prefix_hit(self, block_hashes: Sequence[bytes], num_tokens: int) -> int:
+        """Tokens a sequence with these full-block hashes would hit now (no side effects).
+
+        For placement: hash a prompt once with `hash_token_blocks`, ask every executor.
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        hits = 0
+        for block_hash in block_hashes[: self._max_hit_blocks(num_tokens)]:
+            if block_hash not in self.pool.cached:
+                break
+            hits += 1
+        return hits * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[KVBlock] | None = None,
+    ) -> list[int] | None:
+        """Give a request room for `num_computed_tokens + num_new_tokens` tokens.
+
+        `computed_blocks` (from `get_computed_blocks`) may only be passed on a request's first
+        allocation, while its `num_computed_tokens` is still 0; the caller then sets
+        `num_computed_tokens` to the hit length. Returns the ids of the blocks added to the
+        request's table by this call (on a first allocation: the whole table, hits included),
+        or None when too few blocks are free, in which case nothing changes. Every block that
+        becomes full of known tokens with this step is then cached.
+        """
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if table is not None and not computed_blocks:
+            # Fast path (most decode steps): room already held and no block newly full.
+            num_total = request.num_computed_tokens + num_new_tokens
+            if num_total <= len(table) * self.block_size and (
+                not self.enable_prefix_caching
+                or min(num_total, len(request.prompt_token_ids) + len(request.output_token_ids))
+                // self.block_size <= self._num_cached[rid]
+            ):
+                return []
+        first = table is None
+        computed = list(computed_blocks or ())
+        if computed and not first:
+            raise ValueError(f"request {rid}: computed blocks passed on a later allocation")
+        num_total = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        num_held = (0 if first else len(table)) + len(computed)
+        num_needed = max(-(-num_total // self.block_size) - num_held, 0)
+        # Hit blocks sitting in the free queue stop being free once touched.
+        num_free_hits = sum(1 for block in computed if block.ref_count == 0)
+        if num_needed > self.pool.num_free_blocks - num_free_hits:
+            return None
+
+        if first:
+            table = self._tables[rid] = []
+            self._num_cached[rid] = len(computed)
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += len(computed) * self.block_size
+        self.pool.touch(computed)
+        new_blocks = computed + self.pool.get_new_blocks(num_needed)
+        table.extend(new_blocks)
+
+        if self.enable_prefix_caching:
+            num_full = min(num_total, request.num_tokens) // self.block_size
+            start = self._num_cached[rid]
+            if num_full > start:
+                hashes = self._update_hashes(request, num_full)
+                for i in range(start, num_full):
+                    self.pool.cache_block(table[i], hashes[i])
+                self._num_cached[rid] = num_full
+        return [block.block_id for block in new_blocks]
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """A request's whole block table (a copy); empty when it holds none."""
+        return [block.block_id for block in self._tables.get(request_id, ())]
+
+    def get_blocks(self, request_id: str) -> list[KVBlock]:
+        """A request's block objects (a copy), for tests and debugging."""
+        return list(self._tables.get(request_id, ()))
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks (idempotent).
+
+        Blocks covering tokens at or beyond `request.num_computed_tokens` may have been cached
+        for a step whose result never counted (an error, a preemption in the step that
+        scheduled them); those lose their hash if nobody else holds them, so that no later
+        request trusts their contents.
+        """
+        table = self._tables.pop(request.request_id, None)
+        self._num_cached.pop(request.request_id, None)
+        if not table:
+            return
+        for block in table[request.num_computed_tokens // self.block_size :]:
+            if block.ref_count == 1:
+                self.pool.uncache(block)
+        self.pool.free_blocks(table)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any request holds blocks."""
+        return self.pool.reset_prefix_cache()

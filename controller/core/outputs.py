@@ -1,0 +1,61 @@
+"""What the API hands the engine, and what the engine streams back per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.wire.step_types import SamplingParams, TokenLogprobs
+
+
+@dataclass
+class GenerationRequest:
+    """One sequence to generate (an API request with n > 1 becomes n of these)."""
+
+    request_id: str  # unique within the controller
+    prompt_token_ids: list[int]  # the tokenized prompt
+    sampling: SamplingParams  # sampling parameters for the executor
+    max_tokens: int  # most tokens to generate
+    min_tokens: int = 0  # EOS and stop ids are ignored before this many tokens
+    stop: list[str] = field(default_factory=list)  # stop strings (excluded from the text)
+    stop_token_ids: list[int] = field(default_factory=list)  # extra ids that stop generation
+    ignore_eos: bool = False  # keep generating past EOS
+    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    priority: int = 0  # lower = more urgent (priority scheduling only)
+    stream: bool = True  # hand over every step's delta; False: the first, then one at the end
+
+
+@dataclass
+class OutputDelta:
+    """What one step added to one request, as the API streams it."""
+
+    request_id: str  # the GenerationRequest's id
+    text: str = ""  # new text (never a broken UTF-8 character)
+    token_ids: list[int] = field(default_factory=list)  # new token ids
+    logprobs: list[TokenLogprobs] | None = None  # per new token, when asked for
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt positions, when asked for
+    finished: bool = False  # the request is over
+    finish_reason: str | None = None  # stop | length | abort | error
+    num_prompt_tokens: int = 0  # prompt length
+    num_output_tokens: int = 0  # tokens generated so far
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str = ""  # why the request failed, when finish_reason is "error"
+
+
+def absorb(into: OutputDelta, later: OutputDelta) -> None:
+    """Make ``into`` (a delta whose lists nobody else holds) say what it said and then what
+    ``later`` said; counts and status come from ``later``."""
+    into.text += later.text
+    into.token_ids.extend(later.token_ids)
+    for name in ("logprobs", "prompt_logprobs"):
+        extra = getattr(later, name)
+        if extra:
+            held = getattr(into, name)
+            if held is None:
+                setattr(into, name, list(extra))
+            else:
+                held.extend(extra)
+    into.finished, into.finish_reason, into.error = (later.finished, later.finish_reason,
+                                                     later.error)
+    into.num_prompt_tokens, into.num_output_tokens, into.num_cached_tokens = (
+        later.num_prompt_tokens, later.num_output_tokens, later.num_cached_tokens)

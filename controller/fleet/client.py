@@ -1,0 +1,222 @@
+"""The controller's gRPC client for one executor: handshake and the step stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.wire import convert
+from common.wire.config import DeviceInfo, MemoryProfile
+from common.wire.pb import executor_pb2 as pb
+from common.wire.pb import executor_pb2_grpc as pb_grpc
+from common.wire.rpc_token import token_metadata
+from common.wire.step_types import StepInput, StepOutput
+
+log = logging.getLogger(__name__)
+
+# No keepalive pings: the health checks watch the connection, and an executor's gRPC server
+# answers frequent pings during a long call (a warm-up that compiles for minutes) with GOAWAY
+# "too_many_pings", which would break the call.
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+]
+
+
+@dataclass
+class ChannelSecurity:
+    """How the controller reaches executors: TLS (with a client certificate for mTLS) and a
+    shared token."""
+
+    credentials: grpc.ChannelCredentials | None = None  # TLS credentials; None = plaintext
+    server_name: str = ""  # name to verify in executor certificates; "" = the address's host
+    metadata: tuple = field(default_factory=tuple)  # sent on every RPC (the token)
+
+
+def make_security(ca_file: str = "", cert_file: str = "", key_file: str = "",
+                  server_name: str = "", token: str = "") -> ChannelSecurity:
+    """ChannelSecurity from PEM files and a token ("" = off)."""
+    from common.wire.tls import channel_credentials
+
+    if (cert_file or key_file or server_name) and not ca_file:
+        raise ValueError("executor TLS options need the CA (--executor-tls-ca)")
+    creds = channel_credentials(ca_file, cert_file, key_file) if ca_file else None
+    return ChannelSecurity(creds, server_name, token_metadata(token))
+
+
+class ExecutorLost(RuntimeError):
+    """The executor's stream broke, it restarted, or it stopped answering in time."""
+
+
+def grpc_status_of(exc: BaseException | None) -> str:
+    """The gRPC status code name behind a failure (its cause chain), or "" if none."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+            return exc.code().name
+        exc = exc.__cause__ or exc.__context__
+    return ""
+
+
+@dataclass
+class HandshakeResult:
+    """What the startup handshake established."""
+
+    info: DeviceInfo  # InitDevice's answer
+    memory: MemoryProfile  # ProfileMemory's answer
+    num_blocks: int  # KV blocks allocated on the executor (block 0 is the null block)
+    warmup_seconds: float  # InitializeCache's warm-up time
+
+
+class ExecutorClient:
+    """gRPC channel, handshake and ExecuteModel stream to one executor."""
+
+    def __init__(self, address: str, step_timeout: float = 300.0,
+                 security: ChannelSecurity | None = None):
+        self.address = address  # host:port
+        self.step_timeout = step_timeout  # seconds a step may take before the executor is lost
+        self.security = security or ChannelSecurity()  # TLS and token of every call
+        self._channel: grpc.aio.Channel | None = None  # opened in the serving event loop
+        self._call = None  # the open ExecuteModel stream
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        if self._channel is None:
+            sec = self.security
+            if sec.credentials is None:
+                self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+            else:
+                options = list(_CHANNEL_OPTIONS)
+                if sec.server_name:
+                    options.append(("grpc.ssl_target_name_override", sec.server_name))
+                self._channel = grpc.aio.secure_channel(self.address, sec.credentials,
+                                                        options=options)
+            self._stub = pb_grpc.ExecutorStub(self._channel)
+            self._health = health_pb2_grpc.HealthStub(self._channel)
+        return self._channel
+
+    async def check_health(self, timeout: float) -> str:
+        """One grpc.health.v1 check: "SERVING", "NOT_SERVING", ... or "UNREACHABLE"."""
+        _ = self.channel
+        try:
+            resp = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout,
+                metadata=self.security.metadata,
+            )
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, TimeoutError):
+            return "UNREACHABLE"
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    async def handshake(
+        self,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        seed: int,
+        num_blocks_override: int = 0,
+        kind_limits: dict[str, tuple[int, int]] | None = None,
+        timeout: float = 900.0,
+    ) -> HandshakeResult:
+        """InitDevice -> ProfileMemory -> InitializeCache, sizing the cache from the KV spec.
+
+        `kind_limits` maps a device kind to its own (max_num_batched_tokens, max_num_seqs):
+        when the executor's kind has an entry, InitDevice is sent again with those limits.
+        Every call may take up to `timeout` seconds: the warm-up may compile for minutes, and
+        an executor serializes device calls, so a call may wait behind an earlier warm-up
+        (retrying sooner would only queue more handshakes behind it).
+        """
+        await self.close_stream()
+        _ = self.channel
+        meta = self.security.metadata
+
+        async def init_device(tokens: int, seqs: int) -> DeviceInfo:
+            req = pb.InitDeviceRequest(max_num_batched_tokens=tokens, max_num_seqs=seqs,
+                                       max_model_len=max_model_len, seed=seed)
+            return convert.device_info_from_pb(
+                await self._stub.InitDevice(req, timeout=timeout, metadata=meta)
+            )
+
+        info = await init_device(max_num_batched_tokens, max_num_seqs)
+        override = (kind_limits or {}).get(info.device_kind)
+        if override and override != (max_num_batched_tokens, max_num_seqs):
+            info = await init_device(*override)
+        memory = convert.memory_profile_from_pb(
+            await self._stub.ProfileMemory(pb.ProfileMemoryRequest(), timeout=timeout,
+                                           metadata=meta)
+        )
+        num_blocks = memory.available_kv_bytes // info.kv_cache.bytes_per_block
+        if num_blocks_override > 0:
+            num_blocks = num_blocks_override
+        if num_blocks < 2:
+            raise RuntimeError(
+                f"executor {self.address}: {memory.available_kv_bytes} bytes hold no KV block "
+                f"of {info.kv_cache.bytes_per_block} bytes"
+            )
+        resp = await self._stub.InitializeCache(
+            pb.InitializeCacheRequest(num_blocks=num_blocks), timeout=timeout, metadata=meta
+        )
+        return HandshakeResult(info, memory, num_blocks, resp.warmup_seconds)
+
+    async def step(self, step: StepInput) -> StepOutput:
+        """Send one step on the stream and wait for its result."""
+        await self.send_step(step)
+        return await self.receive_result(step)
+
+    async def send_step(self, step: StepInput) -> None:
+        """Send one step on the stream (opened on first use); results come back in order."""
+        try:
+            if self._call is None:
+                self._call = self._stub.ExecuteModel(metadata=self.security.metadata)
+            await self._call.write(convert.step_to_pb(step))
+        except grpc.aio.AioRpcError as exc:
+            await self.close_stream()
+            raise ExecutorLost(
+                f"step stream broke: {exc.code().name}: {exc.details()}"
+            ) from exc
+        except grpc.aio.UsageError as exc:
+            await self.close_stream()
+            raise ExecutorLost(f"step stream unusable: {exc}") from exc
+
+    async def receive_result(self, step: StepInput) -> StepOutput:
+        """The result of `step`, the oldest step sent and not yet answered."""
+        if self._call is None:
+            raise ExecutorLost("no step stream open")
+        try:
+            async with asyncio.timeout(self.step_timeout):  # no task per read (as wait_for)
+                msg = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            await self.close_stream()
+            raise ExecutorLost(
+                f"step stream broke: {exc.code().name}: {exc.details()}"
+            ) from exc
+        except TimeoutError as exc:
+            await self.close_stream()
+            raise ExecutorLost(f"step {step.step_id} took over {self.step_timeout:g}s") from exc
+        except grpc.aio.UsageError as exc:
+            await self.close_stream()
+            raise ExecutorLost(f"step stream unusable: {exc}") from exc
+        if msg is grpc.aio.EOF:
+            await self.close_stream()
+            raise ExecutorLost(f"executor {self.address} closed the step stream")
+        result = convert.result_from_pb(msg)
+        if result.step_id != step.step_id:
+            raise ExecutorLost(f"step {step.step_id} answered as {result.step_id}")
+        return result
+
+    async def close_stream(self) -> None:
+        """End the step stream, if open."""
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+    async def close(self) -> None:
+        """Close the stream and the channel; the next call opens a fresh channel."""
+        await self.close_stream()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None

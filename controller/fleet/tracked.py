@@ -1,0 +1,126 @@
+"""A generation request as the engine tracks it across executors, and its client deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from controller.core.outputs import GenerationRequest, OutputDelta, absorb
+from controller.core.request import Request
+from controller.core.scheduler import RequestUpdate
+from controller.text.detokenizer import OutputTextState
+
+if TYPE_CHECKING:
+    from controller.fleet.session import ExecutorRunner
+
+
+@dataclass(eq=False)
+class Tracked:
+    """Engine-side state of one generation request, wherever it runs."""
+
+    gen: GenerationRequest  # what the API asked for
+    queue: asyncio.Queue  # OutputDelta items (or an exception) for the API handler
+    text: OutputTextState  # incremental detokenizer + stop strings
+    request: Request | None  # the scheduler's request (a new one on every placement)
+    arrival: float  # perf_counter at arrival
+    arrival_time: float = field(default_factory=time.monotonic)  # kept across moves (FCFS)
+    scheduled_at: float = 0.0  # perf_counter when first scheduled (queue time ends)
+    first_token_at: float = 0.0  # perf_counter of the first token
+    last_token_at: float = 0.0  # perf_counter of the latest token
+    prompt_logprobs_sent: int = 0  # prompt positions already streamed
+    prompt_logprobs_skip: int = 0  # positions a resumed request recomputes and must not resend
+    runner: ExecutorRunner | None = None  # where it is placed; None while waiting for one
+    placed_at: float = 0.0  # monotonic time of its latest placement
+    queued_hashes: list[bytes] = field(default_factory=list)  # its blocks announced to runner
+    expected_hit: int = 0  # tokens placement found cached for it there (admission reuses them)
+    num_moves: int = 0  # times moved to another executor (failover or rebalance)
+    lost_at: float = 0.0  # perf_counter when its executor was lost; 0 once resumed
+    waiting_since: float = 0.0  # monotonic time it started waiting for an executor
+    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache where it started
+    delivered: bool = False  # a delta went to the API handler already
+    held: OutputDelta | None = None  # what a non-streamed request produced since its first
+    # delta, not handed over yet (one delta, grown in place)
+    quiet: bool = False  # delivered, and nothing but tokens can come before the end: steps
+    # add tokens without building a delta (see `hold_quietly`)
+    unsent_tokens: int = 0  # tokens no delta carried yet (the tail of the request's output)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Tokens generated so far (across moves)."""
+        return self.request.output_token_ids if self.request is not None else []
+
+
+def hold_quietly(tracked: Tracked, update: RequestUpdate) -> bool:
+    """Whether the update only adds tokens to a quiet request: then they stay in the request's
+    output (counted in ``unsent_tokens``) until the delta that ends it carries them all. A
+    non-streamed request with no stop string and no logprobs costs no delta per step."""
+    if (tracked.quiet and not update.finished and update.logprobs is None
+            and not update.prompt_logprobs and not update.error):
+        tracked.unsent_tokens += len(update.new_token_ids)
+        return True
+    return False
+
+
+def make_delta(tracked: Tracked, update: RequestUpdate) -> OutputDelta:
+    """The client's delta for one scheduler update: new text (a matched stop string ends the
+    request with "stop"), token ids (with those held quietly before), logprobs, and the prompt
+    logprobs not sent before a move.
+    """
+    assert tracked.request is not None
+    finished, reason = update.finished, update.finish_reason
+    new_token_ids = update.new_token_ids
+    if tracked.unsent_tokens:
+        new_token_ids = tracked.request.output_token_ids[
+            -(tracked.unsent_tokens + len(new_token_ids)):]
+        tracked.unsent_tokens = 0
+    text, stopped = tracked.text.update(new_token_ids, finished)
+    if stopped and not finished:
+        finished, reason = True, "stop"
+    prompt_lps = update.prompt_logprobs or None
+    if prompt_lps and tracked.prompt_logprobs_skip:
+        skip = min(tracked.prompt_logprobs_skip, len(prompt_lps))
+        prompt_lps = prompt_lps[skip:]
+        tracked.prompt_logprobs_skip -= skip
+    tracked.prompt_logprobs_sent += len(prompt_lps or ())
+    req = tracked.request
+    if tracked.num_moves == 0:  # usage reports the prompt's hit where the request started
+        tracked.num_cached_tokens = min(req.num_cached_tokens, req.num_prompt_tokens)
+    return OutputDelta(
+        request_id=update.request_id,
+        text=text,
+        token_ids=list(new_token_ids),
+        logprobs=update.logprobs,
+        prompt_logprobs=prompt_lps or None,
+        finished=finished,
+        finish_reason=reason,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_output_tokens=req.num_output_tokens,
+        num_cached_tokens=tracked.num_cached_tokens,
+        error=update.error or "",
+    )
+
+
+def deliver(tracked: Tracked, delta: OutputDelta) -> None:
+    """Hand a delta to the API handler. A streamed request gets every step's; a non-streamed
+    one gets its first (which ends its queued time) and then one merged delta when it ends, so
+    that its handler wakes twice instead of once per token."""
+    held = tracked.held
+    if tracked.gen.stream or not tracked.delivered or delta.finished:
+        if held is not None:
+            absorb(held, delta)
+            delta, tracked.held = held, None
+        if not tracked.delivered:
+            gen = tracked.gen
+            tracked.delivered = True
+            tracked.quiet = (not gen.stream and gen.sampling.logprobs is None
+                             and tracked.text is not None and tracked.text.deferred)
+        tracked.queue.put_nowait(delta)
+    elif held is None:  # a copy whose lists this request alone grows
+        tracked.held = replace(delta, token_ids=list(delta.token_ids),
+                               logprobs=None if delta.logprobs is None else list(delta.logprobs),
+                               prompt_logprobs=None if delta.prompt_logprobs is None
+                               else list(delta.prompt_logprobs))
+    else:
+        absorb(held, delta)

@@ -1,0 +1,81 @@
+// The CPU kernels of executor_gpu (float32), bound into one extension by kernels.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace tandem {
+
+// A vector of kLanes floats (one AVX-512 register; two AVX2 ones), aligned (Vec) or not (UVec).
+constexpr int64_t kLanes = 16;
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef float UVec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+
+// e^x in float32 for x in about [-87, 88] (clamped outside): Cody-Waite range reduction by
+// ln 2 and a degree-6 polynomial (within ~3 ulp); written without branches so loops over it
+// vectorize.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float t = x * 1.44269504088896341f;  // x / ln 2
+  const float n = static_cast<float>(static_cast<int32_t>(t + std::copysign(0.5f, t)));
+  float r = x - n * 0.693359375f;  // ln 2 split into an exact high part ...
+  r = r + n * 2.12194440e-4f;      // ... and the low remainder
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Causal attention of a step's query tokens ([T, H, D]; request r's are query_start_loc[r] ..
+// query_start_loc[r + 1] - 1, the last of its seq_lens[r] tokens) read in place from the paged
+// KV cache; with new_key / new_value / slots ([T, KVH, D], [T]) given, the step's keys and
+// values are stored first (paged_attention.cpp). Head sizes: paged_attention_supports.
+bool paged_attention_supports(int64_t head_size);
+torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> new_key,
+                              std::optional<torch::Tensor> new_value,
+                              std::optional<torch::Tensor> slots, torch::Tensor kv_cache,
+                              torch::Tensor block_tables, torch::Tensor seq_lens,
+                              torch::Tensor query_start_loc, double scale);
+
+// Linear layers over weights packed into column panels (packed_linear.cpp):
+// pack_linear_weight([in, out]) -> [out / kPanel, in, kPanel]; packed_linear(x, packed, bias).
+constexpr int64_t kPanel = 64;
+torch::Tensor pack_linear_weight(torch::Tensor weight);
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed,
+                            std::optional<torch::Tensor> bias);
+
+// Per-layer elementwise math of the model (layer_ops.cpp).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                            double eps);
+void rotary_(torch::Tensor qkv, int64_t num_heads, torch::Tensor positions,
+             torch::Tensor cos_sin);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+
+// All decoder layers of a Llama-family model and its final norm over a step's embeddings x
+// [T, hidden], the kernels above called in the Python model's order (decoder_stack.cpp).
+// `layers` holds decoder_stack_tensors_per_layer() tensors per layer.
+int64_t decoder_stack_tensors_per_layer();
+torch::Tensor decoder_stack(torch::Tensor x, const std::vector<torch::Tensor>& layers,
+                            torch::Tensor final_norm, torch::Tensor positions,
+                            torch::Tensor cos_sin, torch::Tensor slots,
+                            torch::Tensor block_tables, torch::Tensor seq_lens,
+                            torch::Tensor query_start_loc, int64_t num_heads,
+                            int64_t num_kv_heads, double eps, double scale);
+
+}  // namespace tandem

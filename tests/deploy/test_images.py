@@ -1,0 +1,271 @@
+"""The container images (docker/*.Dockerfile): parsed and checked, since no Docker engine runs here.
+
+Each image: pinned base images, a numeric non-root USER that the chart's securityContext
+matches, exec-form ENTRYPOINT of its service, the port the chart's values use, exactly its
+pyproject extra (the controller's: `controller`, so no torch), stubs generated at build time, and
+a per-Dockerfile .dockerignore that lets in only what the image needs. `make images` builds the
+tags the chart's values point at.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shutil
+import subprocess
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "docker"
+CHART = ROOT / "charts" / "tandem"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
+
+# image name -> (python module it runs, its pyproject extra, the chart's values section)
+IMAGES = {
+    "controller": ("controller", "controller", "controller"),
+    "executor-gpu": ("executor_gpu", "gpu", "gpu"),
+    "executor-tpu": ("executor_tpu", "tpu", "tpu"),
+}
+PACKAGES = {"common", "controller", "executor_gpu", "executor_tpu"}
+
+
+# --- a small Dockerfile parser -----------------------------------------------------------------
+
+
+@dataclass
+class Stage:
+    base: str
+    name: str | None
+    instructions: list[tuple[str, str]] = field(default_factory=list)  # (INSTRUCTION, rest)
+
+    def all(self, instruction: str) -> list[str]:
+        return [rest for ins, rest in self.instructions if ins == instruction]
+
+
+def parse_dockerfile(text: str) -> list[Stage]:
+    """Stages of a Dockerfile: comments dropped, continuation lines joined, FROM splits stages."""
+    logical, current = [], ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.startswith("#") or (not line and current):
+            continue  # comments (and the syntax directive); blank lines inside a continuation
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        current += line
+        if current.strip():
+            logical.append(current.strip())
+        current = ""
+    assert not current, "Dockerfile ends inside a line continuation"
+    stages: list[Stage] = []
+    for line in logical:
+        instruction, _, rest = line.partition(" ")
+        instruction, rest = instruction.upper(), rest.strip()
+        if instruction == "FROM":
+            m = re.fullmatch(r"(?:--platform=\S+\s+)?(\S+)(?:\s+AS\s+(\S+))?", rest, re.I)
+            assert m, f"unparsable FROM {rest!r}"
+            stages.append(Stage(base=m.group(1), name=m.group(2)))
+        else:
+            assert stages, f"{instruction} before the first FROM"
+            stages[-1].instructions.append((instruction, rest))
+    return stages
+
+
+def dockerfile(image: str) -> list[Stage]:
+    return parse_dockerfile((DOCKER / f"{image}.Dockerfile").read_text())
+
+
+def pip_requirements(stages: list[Stage]) -> list[str]:
+    """Every requirement given to `pip install` in RUN instructions (options left out)."""
+    reqs = []
+    for stage in stages:
+        for run in stage.all("RUN"):
+            for command in re.split(r"&&|;|\|\|", run):
+                words = command.split()
+                if words[:2] == ["pip", "install"] or words[1:4] == ["-m", "pip", "install"]:
+                    start = words.index("install") + 1
+                    reqs += [w.strip("\"'") for w in words[start:] if not w.startswith("-")]
+    return reqs
+
+
+def dockerignore_admits(patterns: list[str], path: str) -> bool:
+    """Docker's rule: the last pattern matching the path or one of its parents decides."""
+    parts = path.split("/")
+    admitted = True
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pat = pattern[1:] if negate else pattern
+        pat = pat.rstrip("/")
+        for i in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:i])
+            if fnmatch.fnmatchcase(prefix, pat) or (
+                pat.startswith("**/") and fnmatch.fnmatchcase(prefix, pat[3:])
+            ) or (pat.startswith("**/") and fnmatch.fnmatchcase(prefix, "*/" + pat[3:])):
+                admitted = negate
+                break
+    return admitted
+
+
+def dockerignore(image: str) -> list[str]:
+    path = DOCKER / f"{image}.Dockerfile.dockerignore"
+    return [ln.strip() for ln in path.read_text().splitlines()
+            if ln.strip() and not ln.strip().startswith("#")]
+
+
+# --- tests -------------------------------------------------------------------------------------
+
+
+def test_parser_reads_stages_and_continuations():
+    stages = parse_dockerfile(
+        "# syntax=docker/dockerfile:1\nFROM a:1.2.3 AS build\nRUN pip install \\\n"
+        "    # a comment inside\n    x 'y[z]==1' && echo\nFROM a:1.2.3\nUSER 1:1\n"
+    )
+    assert [(s.base, s.name) for s in stages] == [("a:1.2.3", "build"), ("a:1.2.3", None)]
+    assert pip_requirements(stages) == ["x", "y[z]==1"]
+    assert stages[1].all("USER") == ["1:1"]
+    assert dockerignore_admits(["*", "!src/"], "src/a.py")
+    assert not dockerignore_admits(["*", "!src/", "**/__pycache__"], "src/__pycache__/a.pyc")
+    assert not dockerignore_admits(["*", "!src/"], "tests/a.py")
+
+
+def test_every_image_has_a_dockerfile():
+    assert sorted(p.name for p in DOCKER.glob("*.Dockerfile")) == sorted(
+        f"{i}.Dockerfile" for i in IMAGES)
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_base_images_are_pinned(image):
+    stages = dockerfile(image)
+    names = set()
+    for stage in stages:
+        if stage.base in names:
+            continue  # an earlier stage of this file
+        m = re.fullmatch(r"([a-z0-9./_-]+):([\w.-]+)(@sha256:[0-9a-f]{64})?", stage.base)
+        assert m, f"{image}: base image {stage.base!r} has no tag"
+        tag = m.group(2)
+        # A full version (x.y.z), never latest nor a moving major/minor tag.
+        assert re.match(r"\d+\.\d+\.\d+", tag), f"{image}: {stage.base} is not pinned"
+        if stage.name:
+            names.add(stage.name)
+    assert len(stages) >= 2, f"{image}: build tools stay out of a multi-stage build's last stage"
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_runs_as_non_root_with_the_chart_uid(image):
+    final = dockerfile(image)[-1]
+    users = final.all("USER")
+    assert users, f"{image}: the last stage sets no USER (would run as root)"
+    user = users[-1]
+    # Numeric, so that Kubernetes' runAsNonRoot can verify it without /etc/passwd.
+    m = re.fullmatch(r"(\d+)(?::(\d+))?", user)
+    assert m, f"{image}: USER {user!r} is not numeric"
+    uid = int(m.group(1))
+    assert uid != 0 and int(m.group(2) or 1) != 0
+    assert any(f"--uid {uid}" in run for run in final.all("RUN")), "the user is created"
+    module, extra, section = IMAGES[image]
+    pod = VALUES[section]["podSecurityContext"]
+    if pod.get("runAsNonRoot"):
+        assert pod["runAsUser"] == uid and pod["runAsGroup"] == int(m.group(2))
+    else:
+        # The TPU pool runs as root on purpose (root-owned device nodes): documented in values.
+        assert image == "executor-tpu" and VALUES[section]["securityContext"]["runAsUser"] == 0
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_entrypoint_and_port_match_the_chart(image):
+    module, _, section = IMAGES[image]
+    final = dockerfile(image)[-1]
+    (entrypoint,) = final.all("ENTRYPOINT")
+    assert json.loads(entrypoint) == ["python", "-m", module]  # exec form: signals reach python
+    assert not final.all("CMD")  # the chart passes every argument
+    assert final.all("EXPOSE") == [str(VALUES[section]["port"])]
+    env = " ".join(final.all("ENV"))
+    assert "PATH=/opt/venv/bin:$PATH" in env
+    assert any(rest.startswith("--from=build /opt/venv") for rest in final.all("COPY"))
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_installs_exactly_its_extra(image):
+    module, extra, _ = IMAGES[image]
+    stages = dockerfile(image)
+    reqs = pip_requirements(stages)
+    local = [r for r in reqs if r.startswith(".")]
+    assert local == [f".[{extra}]"], f"{image}: installs {local}"
+    assert extra in PYPROJECT["project"]["optional-dependencies"]
+    build = stages[0]
+    runs = " ".join(build.all("RUN"))
+    # The gRPC stubs are generated in the build, as `make proto` does, then the tool leaves.
+    assert "grpc_tools.protoc -Icommon/wire/pb=proto" in runs and "proto/executor.proto" in runs
+    assert "pip uninstall -y grpcio-tools" in runs
+    assert any("PIP_NO_CACHE_DIR=1" in e for e in build.all("ENV"))
+    copied = {rest.split()[0] for rest in build.all("COPY")}
+    wanted = {"common", module}
+    assert copied & PACKAGES == wanted, f"{image}: copies packages {copied & PACKAGES}"
+    assert {"pyproject.toml", "proto"} <= copied
+    for src in copied:
+        assert (ROOT / src).exists(), src
+
+
+def test_controller_image_has_no_torch():
+    deps = PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"][
+        "controller"]
+    assert not [d for d in deps if re.match(r"torch", d)], "the controller extra pulls torch"
+    text = (DOCKER / "controller.Dockerfile").read_text()
+    assert not re.search(r"torch|executor_", text.split("\nFROM", 1)[1])
+
+
+def test_tpu_image_brings_libtpu_with_the_pinned_torch_xla():
+    reqs = pip_requirements(dockerfile("executor-tpu"))
+    pins = [d for d in PYPROJECT["project"]["optional-dependencies"]["tpu"]
+            if d.startswith("torch_xla")]
+    assert pins == ["torch_xla==2.9.0"]
+    assert "torch_xla[tpu]==2.9.0" in reqs  # the [tpu] extra is what installs libtpu
+    final = dockerfile("executor-tpu")[-1]
+    assert "PJRT_DEVICE=TPU" in " ".join(final.all("ENV"))
+
+
+def test_gpu_image_asks_for_the_driver():
+    env = " ".join(dockerfile("executor-gpu")[-1].all("ENV"))
+    assert "NVIDIA_VISIBLE_DEVICES=all" in env
+    assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in env
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_build_context_is_only_what_the_image_needs(image):
+    module, _, _ = IMAGES[image]
+    patterns = dockerignore(image)
+    admitted = lambda p: dockerignore_admits(patterns, p)  # noqa: E731
+    for path in ("pyproject.toml", "proto/executor.proto", "common/wire/config.py",
+                 "common/wire/pb/__init__.py", f"{module}/__init__.py"):
+        assert admitted(path), f"{image}: {path} is left out of the build context"
+    others = PACKAGES - {"common", module}
+    for path in [f"{p}/__init__.py" for p in others] + [
+        ".venv/bin/python", ".git/HEAD", "tests/deploy/test_chart.py", "charts/tandem/values.yaml",
+        "common/wire/pb/executor_pb2.py", "common/wire/pb/executor_pb2_grpc.py",
+        f"{module}/__pycache__/x.cpython-311.pyc", "README.md",
+    ]:
+        assert not admitted(path), f"{image}: {path} gets into the build context"
+
+
+def test_image_tags_follow_the_release():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == PYPROJECT["project"]["version"]  # the default image tag
+
+
+def test_make_images_builds_what_the_chart_runs():
+    if not shutil.which("make"):
+        pytest.skip("make is not installed")
+    out = subprocess.run(["make", "-n", "images", "IMAGE_TAG=9.9.9", "IMAGE_REGISTRY=reg.io/x/"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    for image, (_, _, section) in IMAGES.items():
+        repository = VALUES[section]["image"]["repository"]
+        assert re.search(
+            rf"docker build -f docker/{image}\.Dockerfile -t reg\.io/x/{re.escape(repository)}"
+            rf":9\.9\.9 \.", out), out

@@ -1,0 +1,82 @@
+"""What the end-to-end tests share: prompts, waiting for an idle fleet with no KV block in use,
+reading /metrics, and greedy completions streamed or whole."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "List three primary colors:",
+]
+
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."},
+     {"role": "user", "content": "Name a planet."}],
+]
+
+
+# A prompt of a few hundred tokens: longer than the tight server's 48-token step budget.
+LONG_PROMPT = " ".join(
+    f"Item {i}: the {w} fox jumps over the lazy dog." for i, w in
+    enumerate(["quick", "brown", "red", "slow", "clever", "tired", "young", "old"] * 2)
+) + " Summary:"
+
+
+def assert_no_blocks_in_use(server) -> None:
+    state = server.wait_idle()
+    for e in state:
+        assert e["running"] == 0 and e["waiting"] == 0, state
+        assert e["used_blocks"] == 0, f"KV blocks leaked: {state}"
+
+
+def metric_sum(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+MAX_TOKENS = 40
+
+
+async def stream_completion(server, prompt: str, chunks: list[float], started: asyncio.Event,
+                  max_tokens: int = MAX_TOKENS) -> str:
+    """Stream one greedy completion; record each chunk's arrival time."""
+    text = ""
+    async with server.async_client() as client:
+        resp = await client.completions.create(
+            model=server.model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+            stream=True, extra_body={"ignore_eos": True})
+        async for chunk in resp:
+            piece = chunk.choices[0].text if chunk.choices else ""
+            if piece:
+                text += piece
+                chunks.append(time.perf_counter())
+            if len(chunks) >= 4:
+                started.set()
+    return text
+
+
+def expected_texts(server, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list[str]:
+    async def run():
+        async with server.async_client() as client:
+            rs = await asyncio.gather(*(client.completions.create(
+                model=server.model_name, prompt=p, max_tokens=max_tokens, temperature=0,
+                extra_body={"ignore_eos": True}) for p in prompts))
+        return [r.choices[0].text for r in rs]
+
+    return asyncio.run(run())
+
+
+def gauge(text: str, name: str) -> float:
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name + "{") or line.startswith(name + " ")]
+    assert values, f"{name} missing from /metrics"
+    return sum(values)

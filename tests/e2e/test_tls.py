@@ -1,0 +1,231 @@
+"""TLS between controller and executors: mutual TLS and a shared token.
+
+A controller with the CA, a client certificate and the token serves completions; the executor
+refuses plaintext, clients without a certificate or with one from another CA, and calls
+without the token (health checks excepted, and a plaintext health-only port serves probes).
+The controller can also verify a chosen server name and serve HTTPS itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import ssl
+import time
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.wire.pb import executor_pb2 as pb
+from common.wire.pb import executor_pb2_grpc as pb_grpc
+from tests.support.processes import free_port, spawn_controller, start_server, wait_until
+
+TOKEN = "executor-token-0123456789"
+
+
+def _make_certs(folder) -> dict[str, str]:
+    """A CA, an executor certificate (127.0.0.1, localhost, executor.test), a controller
+    client certificate, and a client certificate of an unrelated CA; PEM paths by name."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    paths: dict[str, str] = {}
+
+    def write(name: str, data: bytes) -> str:
+        path = os.path.join(folder, name)
+        with open(path, "wb") as f:
+            f.write(data)
+        paths[name] = path
+        return path
+
+    def key_pem(key) -> bytes:
+        return key.private_bytes(serialization.Encoding.PEM,
+                                 serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+
+    def issue(name: str, issuer_key, issuer_name, ca: bool, sans=(), usage=None):
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        builder = (x509.CertificateBuilder()
+                   .subject_name(subject).issuer_name(issuer_name or subject)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if sans:
+            builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)),
+                                            critical=False)
+        if usage:
+            builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        cert = builder.sign(issuer_key or key, hashes.SHA256())
+        return key, cert
+
+    pem = serialization.Encoding.PEM
+    ca_key, ca = issue("tandem-test-ca", None, None, ca=True)
+    write("ca.pem", ca.public_bytes(pem))
+    sans = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost"),
+            x509.DNSName("executor.test")]
+    key, cert = issue("executor", ca_key, ca.subject, False, sans,
+                      ExtendedKeyUsageOID.SERVER_AUTH)
+    write("executor.pem", cert.public_bytes(pem))
+    write("executor.key", key_pem(key))
+    key, cert = issue("controller", ca_key, ca.subject, False, (),
+                      ExtendedKeyUsageOID.CLIENT_AUTH)
+    write("controller.pem", cert.public_bytes(pem))
+    write("controller.key", key_pem(key))
+    evil_key, evil_ca = issue("other-ca", None, None, ca=True)
+    key, cert = issue("intruder", evil_key, evil_ca.subject, False, (),
+                      ExtendedKeyUsageOID.CLIENT_AUTH)
+    write("intruder.pem", cert.public_bytes(pem))
+    write("intruder.key", key_pem(key))
+    write("token", f"{TOKEN}\n".encode())
+    write("wrong-token", b"not-the-token\n")
+    return paths
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return _make_certs(str(tmp_path_factory.mktemp("certs")))
+
+
+@pytest.fixture(scope="module")
+def mtls_server(default_model_dir, tmp_path_factory, certs):
+    health_port = free_port()
+    s = start_server(
+        default_model_dir, str(tmp_path_factory.mktemp("mtls")),
+        executor_args=["--tls-cert", certs["executor.pem"], "--tls-key", certs["executor.key"],
+                       "--tls-client-ca", certs["ca.pem"],
+                       "--auth-token-file", certs["token"],
+                       "--health-port", str(health_port)],
+        controller_args=["--executor-tls-ca", certs["ca.pem"],
+                         "--executor-tls-cert", certs["controller.pem"],
+                         "--executor-tls-key", certs["controller.key"],
+                         "--auth-token-file", certs["token"]],
+    )
+    s.health_port = health_port
+    yield s
+    s.stop()
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _channel(address: str, certs: dict, client: str | None) -> grpc.Channel:
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=_read(certs["ca.pem"]),
+        private_key=_read(certs[f"{client}.key"]) if client else None,
+        certificate_chain=_read(certs[f"{client}.pem"]) if client else None,
+    )
+    return grpc.secure_channel(address, creds)
+
+
+def _health(channel: grpc.Channel) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
+
+def test_completion_over_mtls_with_token(mtls_server):
+    s = mtls_server
+    r = s.client().completions.create(model=s.model_name, prompt="The capital of France is",
+                                      max_tokens=6, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop") and r.choices[0].text
+
+
+def test_executor_refuses_clients_without_a_valid_certificate(mtls_server, certs):
+    address = f"127.0.0.1:{mtls_server.executor_ports[0]}"
+    with grpc.insecure_channel(address) as plain:
+        with pytest.raises(grpc.RpcError) as exc:
+            _health(plain)
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    for client in (None, "intruder"):
+        with _channel(address, certs, client) as channel:
+            with pytest.raises(grpc.RpcError) as exc:
+                _health(channel)
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE, client
+
+
+def test_executor_refuses_calls_without_the_token(mtls_server, certs):
+    address = f"127.0.0.1:{mtls_server.executor_ports[0]}"
+    with _channel(address, certs, "controller") as channel:
+        # Health checks need no token (probes carry no metadata).
+        assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+        stub = pb_grpc.ExecutorStub(channel)
+        for metadata in ((), (("authorization", "Bearer wrong"),),
+                         (("authorization", TOKEN),)):
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.ProfileMemory(pb.ProfileMemoryRequest(), timeout=10, metadata=metadata)
+            assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
+            with pytest.raises(grpc.RpcError) as exc:
+                list(stub.ExecuteModel(iter([pb.StepRequest()]), timeout=10,
+                                       metadata=metadata))
+            assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
+    # The plaintext health-only port serves probes and nothing else.
+    with grpc.insecure_channel(f"127.0.0.1:{mtls_server.health_port}") as plain:
+        assert _health(plain) == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as exc:
+            pb_grpc.ExecutorStub(plain).ProfileMemory(pb.ProfileMemoryRequest(), timeout=10)
+        assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    # The serving controller was never disturbed.
+    r = mtls_server.client().completions.create(model=mtls_server.model_name, prompt="Hi",
+                                                max_tokens=2, temperature=0)
+    assert r.choices[0].text is not None
+
+
+def test_controller_with_a_wrong_token_never_connects(mtls_server, certs, default_model_dir,
+                                                      tmp_path):
+    port = mtls_server.executor_ports[0]
+    bad = spawn_controller(default_model_dir, str(tmp_path), [
+        "--executor", f"127.0.0.1:{port}", "--executor-tls-ca", certs["ca.pem"],
+        "--executor-tls-cert", certs["controller.pem"],
+        "--executor-tls-key", certs["controller.key"],
+        "--auth-token-file", certs["wrong-token"]])
+    try:
+        def refused():
+            state = bad.executors_state()
+            return state and "UNAUTHENTICATED" in str(state)
+        wait_until(refused, 60, "the executor to refuse the wrong token", logs=str(tmp_path))
+        assert httpx.get(bad.base_url + "/health", timeout=5).status_code == 503
+        time.sleep(1)
+        assert not any(e["healthy"] for e in bad.executors_state())
+    finally:
+        bad.stop()
+    r = mtls_server.client().completions.create(model=mtls_server.model_name, prompt="Hi",
+                                                max_tokens=2, temperature=0)
+    assert r.choices[0].text is not None
+
+
+def test_server_name_override_and_https(mtls_server, certs, default_model_dir, tmp_path):
+    """A second controller verifies the name executor.test (not the address) and serves
+    HTTPS with the executor's certificate."""
+    port = mtls_server.executor_ports[0]
+    second = spawn_controller(default_model_dir, str(tmp_path), [
+        "--executor", f"127.0.0.1:{port}", "--executor-tls-ca", certs["ca.pem"],
+        "--executor-tls-cert", certs["controller.pem"],
+        "--executor-tls-key", certs["controller.key"],
+        "--executor-tls-server-name", "executor.test",
+        "--auth-token-file", certs["token"],
+        "--ssl-certfile", certs["executor.pem"], "--ssl-keyfile", certs["executor.key"]])
+    url = second.base_url.replace("http://", "https://")
+    try:
+        ctx = ssl.create_default_context(cafile=certs["ca.pem"])
+        with httpx.Client(verify=ctx, timeout=60) as https:
+            wait_until(lambda: https.get(url + "/health").status_code == 200, 120,
+                       "the HTTPS controller to be healthy", logs=str(tmp_path))
+            r = https.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(second.base_url + "/health", timeout=5)  # plain HTTP is not served
+    finally:
+        second.stop()
+    # The first controller's session was replaced by the second's handshake; it reconnects.
+    wait_until(lambda: mtls_server.client().completions.create(
+        model=mtls_server.model_name, prompt="Hi", max_tokens=2, temperature=0), 120,
+        "the first controller to serve again")

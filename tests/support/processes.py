@@ -1,0 +1,215 @@
+"""Real processes for the tests: executors and controllers started as `python -m ...`
+subprocesses, talking gRPC to each other and HTTP to the test on localhost, and helpers to wait
+for them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_MODEL_DIR = os.path.expanduser("~/.cache/tandem/models/SmolLM2-135M-Instruct")
+
+
+def model_dir() -> str:
+    return os.environ.get("TANDEM_MODEL_DIR", DEFAULT_MODEL_DIR)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    """A controller and its executors, started as subprocesses."""
+
+    base_url: str  # http://127.0.0.1:PORT
+    model_name: str  # served model name
+    controller: subprocess.Popen  # the controller process
+    executors: list[subprocess.Popen] = field(default_factory=list)  # executor processes
+    executor_ports: list[int] = field(default_factory=list)  # their gRPC ports
+    log_dir: str = ""  # where process logs go
+
+    def client(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0,
+                             timeout=kw.pop("timeout", 300), **kw)
+
+    def async_client(self, **kw):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key="unused",
+                                  max_retries=0, timeout=kw.pop("timeout", 300), **kw)
+
+    def executors_state(self) -> list[dict]:
+        import httpx
+
+        return httpx.get(self.base_url + "/admin/executors", timeout=10).json()["executors"]
+
+    def wait_idle(self, timeout: float = 30.0) -> list[dict]:
+        """Wait until no request runs or waits anywhere; return the executors' state."""
+        deadline = time.time() + timeout
+        while True:
+            state = self.executors_state()
+            if all(e["running"] == 0 and e["waiting"] == 0 for e in state):
+                return state
+            if time.time() > deadline:
+                return state
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for p in [self.controller, *self.executors]:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in [self.controller, *self.executors]:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def spawn_process(args: list[str], log_path: str) -> subprocess.Popen:
+    """`python ARGS` from the repository root in a session of its own, output to log_path."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    log = open(log_path, "w")
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def executor_command(module: str, model: str, port: int, extra=()) -> list[str]:
+    """Arguments (after the interpreter) that start one executor for the tests."""
+    return ["-m", module, "--model", model, "--host", "127.0.0.1", "--port", str(port),
+            "--kv-cache-bytes", str(256 * 2**20), *extra]
+
+
+def start_server(model: str, tmp_dir: str, controller_args=(), executor_args=(),
+                 executor_kinds=("executor_gpu",), timeout: float = 600.0) -> LiveServer:
+    """Start one executor per entry of executor_kinds (a module name each) and a controller;
+    wait until /health answers 200."""
+    import httpx
+
+    executors, ports = [], []
+    for i, module in enumerate(executor_kinds):
+        port = free_port()
+        executors.append(spawn_process(executor_command(module, model, port, executor_args),
+                                os.path.join(tmp_dir, f"executor{i}.log")))
+        ports.append(port)
+    http_port = free_port()
+    controller = spawn_process(
+        ["-m", "controller", "--model", model, "--host", "127.0.0.1", "--port", str(http_port),
+         *sum((["--executor", f"127.0.0.1:{p}"] for p in ports), []), *controller_args],
+        os.path.join(tmp_dir, "controller.log"),
+    )
+    server = LiveServer(f"http://127.0.0.1:{http_port}", os.path.basename(model.rstrip("/")),
+                        controller, executors, ports, tmp_dir)
+    deadline = time.time() + timeout
+    while True:
+        for p in [controller, *executors]:
+            if p.poll() is not None:
+                server.stop()
+                logs = tail_logs(tmp_dir)
+                raise RuntimeError(f"a server process exited early:\n{logs}")
+        try:
+            if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            server.stop()
+            raise RuntimeError(f"server not healthy in {timeout}s:\n{tail_logs(tmp_dir)}")
+        time.sleep(0.5)
+
+
+def tail_logs(tmp_dir: str) -> str:
+    out = []
+    for name in sorted(os.listdir(tmp_dir)):
+        if name.endswith(".log"):
+            with open(os.path.join(tmp_dir, name)) as f:
+                out.append(f"--- {name}\n" + "".join(f.readlines()[-40:]))
+    return "\n".join(out)
+
+
+def executor_module_available(module: str) -> bool:
+    """Whether `python -m module` exists in this checkout (e.g. executor_tpu)."""
+    return os.path.exists(os.path.join(ROOT, module, "__main__.py"))
+
+
+def spawn_executor(module: str, model: str, tmp_dir: str, name: str, port: int | None = None,
+                   host: str = "127.0.0.1", extra=()) -> tuple[subprocess.Popen, int]:
+    """Start one executor process listening on host:port; returns (process, port)."""
+    port = port or free_port()
+    args = executor_command(module, model, port, [*extra, "--host", host])
+    return spawn_process(args, os.path.join(tmp_dir, f"{name}.log")), port
+
+
+def spawn_controller(model: str, tmp_dir: str, args=(), name: str = "controller") -> LiveServer:
+    """Start a controller with the given flags (executors included) without waiting."""
+    http_port = free_port()
+    controller = spawn_process(
+        ["-m", "controller", "--model", model, "--host", "127.0.0.1", "--port", str(http_port),
+         *args],
+        os.path.join(tmp_dir, f"{name}.log"),
+    )
+    return LiveServer(f"http://127.0.0.1:{http_port}", os.path.basename(model.rstrip("/")),
+                      controller, [], [], tmp_dir)
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process, MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def read_ports_files(files: list[str], timeout: float, logs: str = "") -> list[int]:
+    """The ports that ``executor_sim --ports-file`` processes wrote, once every file exists
+    (each is written whole, once all of its process's executors serve), in file order."""
+    wait_until(lambda: all(os.path.exists(f) for f in files), timeout, "simulated executors",
+               logs=logs)
+    ports: list[int] = []
+    for path in files:
+        with open(path) as f:
+            ports += [int(line) for line in f if line.strip()]
+    return ports
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.2, logs: str = ""):
+    """Poll `predicate` until it returns something truthy; fail with `what` after timeout."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            value = predicate()
+        except Exception:  # the server may not answer yet
+            value = None
+        if value:
+            return value
+        if time.time() > deadline:
+            tail = tail_logs(logs) if logs else ""
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{tail}")
+        time.sleep(interval)
+
+
+def wait_healthy_executors(server: LiveServer, count: int, timeout: float = 300.0) -> list[dict]:
+    """Wait until at least `count` executors are healthy; return the executors' state."""
+    def ready():
+        state = server.executors_state()
+        return state if sum(e["healthy"] for e in state) >= count else None
+
+    return wait_until(ready, timeout, f"{count} healthy executors", logs=server.log_dir)
+
+
+# Fast failure detection for fleet tests: a check every 0.5 s, an executor is lost after 3
+# unanswered checks of 1 s (generous on a busy 2-core machine).
+FAST_HEALTH = ["--health-check-interval", "0.5", "--health-check-timeout", "1.0",
+               "--health-check-failures", "3", "--reconnect-backoff-max", "1.0"]
