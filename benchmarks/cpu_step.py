@@ -46,13 +46,15 @@ def build_runner(model: str, variant: str, num_blocks: int) -> GPUModelRunner:
     """A CPU runner with the variant's kernels, its KV cache allocated."""
     os.environ["TANDEM_CPU_KERNELS"] = "0" if variant == "torch" else "1"
     try:
-        runner = GPUModelRunner(ExecutorConfig(model=model, device="cpu"),
-                                load_model_geometry(model))
+        runner = GPUModelRunner(
+            ExecutorConfig(model=model, device="cpu"), load_model_geometry(model)
+        )
     finally:
         os.environ.pop("TANDEM_CPU_KERNELS")
     if variant == "fused" and runner.fused_ops is not None:
-        runner.fused_ops = dataclasses.replace(runner.fused_ops,
-                                                   prepare_linear=lambda weight: weight)
+        runner.fused_ops = dataclasses.replace(
+            runner.fused_ops, prepare_linear=lambda weight: weight
+        )
     runner.load_model()
     runner.initialize_kv_cache(num_blocks)
     return runner
@@ -61,10 +63,18 @@ def build_runner(model: str, variant: str, num_blocks: int) -> GPUModelRunner:
 def prefill(runner: GPUModelRunner, batch: int, context: int, blocks_each: int) -> float:
     """Start ``batch`` requests with ``context`` prompt tokens in one step; its seconds."""
     runner.reset()
-    new = [NewRequestData(f"r{i}", [(7 * i + j) % 1000 + 10 for j in range(context)], [],
-                          SamplingParams(), list(range(1 + i * blocks_each,
-                                                       1 + (i + 1) * blocks_each)), 0, context)
-           for i in range(batch)]
+    new = [
+        NewRequestData(
+            f"r{i}",
+            [(7 * i + j) % 1000 + 10 for j in range(context)],
+            [],
+            SamplingParams(),
+            list(range(1 + i * blocks_each, 1 + (i + 1) * blocks_each)),
+            0,
+            context,
+        )
+        for i in range(batch)
+    ]
     started = time.perf_counter()
     runner.execute_model(StepInput(0, new_requests=new))
     return time.perf_counter() - started
@@ -102,15 +112,26 @@ def main(argv=None) -> None:
                     steps[v].append(decode(r, batch, a.context, step))
             for v in variants:
                 med = statistics.median(steps[v])
-                results.append({"batch": batch, "variant": v, "decode_step_ms": med * 1e3,
-                                "decode_tok_s": batch / med, "prefill_s": pre[v]})
+                results.append(
+                    {
+                        "batch": batch,
+                        "variant": v,
+                        "decode_step_ms": med * 1e3,
+                        "decode_tok_s": batch / med,
+                        "prefill_s": pre[v],
+                    }
+                )
     base = {(r["batch"]): r["decode_step_ms"] for r in results if r["variant"] == variants[0]}
-    print(f"{'batch':>5} {'variant':>8} {'step ms':>8} {'tok/s':>7} {'prefill s':>9} "
-          f"{variants[0] + '/x':>9}")
+    print(
+        f"{'batch':>5} {'variant':>8} {'step ms':>8} {'tok/s':>7} {'prefill s':>9} "
+        f"{variants[0] + '/x':>9}"
+    )
     for r in results:
         r["speedup"] = base[r["batch"]] / r["decode_step_ms"]
-        print(f"{r['batch']:>5} {r['variant']:>8} {r['decode_step_ms']:>8.1f} "
-              f"{r['decode_tok_s']:>7.1f} {r['prefill_s']:>9.2f} {r['speedup']:>9.2f}")
+        print(
+            f"{r['batch']:>5} {r['variant']:>8} {r['decode_step_ms']:>8.1f} "
+            f"{r['decode_tok_s']:>7.1f} {r['prefill_s']:>9.2f} {r['speedup']:>9.2f}"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"context": a.context, "steps": a.steps, "results": results}, f, indent=1)

@@ -53,14 +53,20 @@ def copy_bandwidth(device: torch.device) -> float:
 def fabricated_meta(batch: int, context: int, device: torch.device) -> AttentionMetadata:
     """A decode step of ``batch`` requests at ``context`` tokens, each on its own blocks."""
     per = -(-context // BLOCK)
-    tables = (torch.arange(batch * per, device=device).view(batch, per) + 1)
+    tables = torch.arange(batch * per, device=device).view(batch, per) + 1
     pos = context - 1
     slots = tables[:, pos // BLOCK] * BLOCK + pos % BLOCK
     return AttentionMetadata(
-        slot_mapping=slots, query_start_loc=torch.arange(batch + 1, device=device),
-        seq_lens=torch.full((batch,), context, device=device), block_tables=tables,
-        block_size=BLOCK, num_decodes=batch, max_decode_seq_len=context,
-        query_start_loc_host=list(range(batch + 1)), seq_lens_host=[context] * batch)
+        slot_mapping=slots,
+        query_start_loc=torch.arange(batch + 1, device=device),
+        seq_lens=torch.full((batch,), context, device=device),
+        block_tables=tables,
+        block_size=BLOCK,
+        num_decodes=batch,
+        max_decode_seq_len=context,
+        query_start_loc_host=list(range(batch + 1)),
+        seq_lens_host=[context] * batch,
+    )
 
 
 def check_kernels(device: torch.device) -> dict:
@@ -74,33 +80,46 @@ def check_kernels(device: torch.device) -> dict:
     for dtype in (torch.float32, torch.bfloat16):
         kv = torch.randn(2, 24 * 44 + 1, BLOCK, 8, 128, device=device, generator=gen).to(dtype)
         tables = torch.randperm(24 * 44, generator=gen, device=device).view(24, 44) + 1
-        meta = AttentionMetadata(torch.zeros(24, dtype=torch.long, device=device),
-                                 torch.arange(25, device=device), torch.tensor(lens, device=device),
-                                 tables, BLOCK, 24, max(lens), list(range(25)), lens)
+        meta = AttentionMetadata(
+            torch.zeros(24, dtype=torch.long, device=device),
+            torch.arange(25, device=device),
+            torch.tensor(lens, device=device),
+            tables,
+            BLOCK,
+            24,
+            max(lens),
+            list(range(25)),
+            lens,
+        )
         q = torch.randn(24, 32, 128, device=device, generator=gen).to(dtype)
-        ref = _decode_attention(q.double(), kv.double(), meta, 128 ** -0.5)
-        got = triton_attention.paged_decode_attention(q, kv, tables, meta.seq_lens, 128 ** -0.5)
+        ref = _decode_attention(q.double(), kv.double(), meta, 128**-0.5)
+        got = triton_attention.paged_decode_attention(q, kv, tables, meta.seq_lens, 128**-0.5)
         out[f"attention_{str(dtype)[6:]}"] = rel_err(got, ref)
     x = torch.randn(64, 4096, device=device, generator=gen).to(torch.bfloat16)
     res = torch.randn(64, 4096, device=device, generator=gen).to(torch.bfloat16)
     w = (1 + 0.1 * torch.randn(4096, device=device, generator=gen)).to(torch.bfloat16)
-    out["rms_norm_bf16"] = rel_err(ops.rms_norm(x, w, 1e-5),
-                                   TORCH_LAYER_OPS.rms_norm(x.double(), w.double(), 1e-5))
+    out["rms_norm_bf16"] = rel_err(
+        ops.rms_norm(x, w, 1e-5), TORCH_LAYER_OPS.rms_norm(x.double(), w.double(), 1e-5)
+    )
     res_ref = res.double() + x.double()
-    out["add_rms_norm_bf16"] = rel_err(ops.add_rms_norm(x, res, w, 1e-5),
-                                       TORCH_LAYER_OPS.rms_norm(res_ref, w.double(), 1e-5))
+    out["add_rms_norm_bf16"] = rel_err(
+        ops.add_rms_norm(x, res, w, 1e-5), TORCH_LAYER_OPS.rms_norm(res_ref, w.double(), 1e-5)
+    )
     from common.torch.models.llama import RotaryEmbedding
 
     table = RotaryEmbedding(128, 8192, 500000.0, None).cos_sin.to(device)
     positions = torch.randint(0, 8192, (64,), generator=gen, device=device)
     qkv = torch.randn(64, 48, 128, device=device, generator=gen).to(torch.bfloat16)
-    ref = TORCH_LAYER_OPS.rotary(qkv.double(), 40, TORCH_LAYER_OPS.rope_for_step(
-        table.double(), positions, torch.float64))
-    out["rotary_bf16"] = rel_err(ops.rotary(qkv, 40, ops.rope_for_step(table, positions, None)),
-                                 ref)
+    ref = TORCH_LAYER_OPS.rotary(
+        qkv.double(), 40, TORCH_LAYER_OPS.rope_for_step(table.double(), positions, torch.float64)
+    )
+    out["rotary_bf16"] = rel_err(
+        ops.rotary(qkv, 40, ops.rope_for_step(table, positions, None)), ref
+    )
     gu = torch.randn(64, 2 * 14336, device=device, generator=gen).to(torch.bfloat16)
-    out["silu_and_mul_bf16"] = rel_err(ops.silu_and_mul(gu),
-                                       TORCH_LAYER_OPS.silu_and_mul(gu.double()))
+    out["silu_and_mul_bf16"] = rel_err(
+        ops.silu_and_mul(gu), TORCH_LAYER_OPS.silu_and_mul(gu.double())
+    )
     return out
 
 
@@ -140,19 +159,40 @@ def sweep_attention(device: torch.device, full: bool) -> list[dict]:
     rows = []
     for batch, context in ((64, 256), (64, 1024), (16, 256), (1, 1024)):
         meta = fabricated_meta(batch, context, device)
-        kv = torch.randn(2, batch * -(-context // BLOCK) + 1, BLOCK, 8, 128,
-                         device=device).to(torch.bfloat16)
+        kv = torch.randn(2, batch * -(-context // BLOCK) + 1, BLOCK, 8, 128, device=device).to(
+            torch.bfloat16
+        )
         q = torch.randn(batch, 32, 128, device=device).to(torch.bfloat16)
         kv_bytes = 2 * batch * context * 8 * 128 * 2
         picked = ta.partitions_for(batch, 8, device)
-        grid = [(p, t) for p in (1, 2, 4, 8, 16) for t in (32, 64, 128)] if full else [
-            (1, ta.TILE), (picked, ta.TILE)]
+        grid = (
+            [(p, t) for p in (1, 2, 4, 8, 16) for t in (32, 64, 128)]
+            if full
+            else [(1, ta.TILE), (picked, ta.TILE)]
+        )
         for parts, tile in dict.fromkeys(grid):
-                us = graph_time_us(functools.partial(
-                    ta.paged_decode_attention, q, kv, meta.block_tables, meta.seq_lens, 0.088,
-                    parts=parts, tile=tile))
-                rows.append({"batch": batch, "context": context, "parts": parts, "tile": tile,
-                             "us": us, "TBps": kv_bytes / us / 1e6,
-                             "picked": parts == picked and tile == ta.TILE})
+            us = graph_time_us(
+                functools.partial(
+                    ta.paged_decode_attention,
+                    q,
+                    kv,
+                    meta.block_tables,
+                    meta.seq_lens,
+                    0.088,
+                    parts=parts,
+                    tile=tile,
+                )
+            )
+            rows.append(
+                {
+                    "batch": batch,
+                    "context": context,
+                    "parts": parts,
+                    "tile": tile,
+                    "us": us,
+                    "TBps": kv_bytes / us / 1e6,
+                    "picked": parts == picked and tile == ta.TILE,
+                }
+            )
         del kv
     return rows

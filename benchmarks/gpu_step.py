@@ -56,24 +56,53 @@ from common.wire.step_types import (  # noqa: E402
 from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # H200 datasheet
-LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-             "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-             "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
-             "rope_theta": 500000.0, "max_position_embeddings": 8192,
-             "tie_word_embeddings": False, "eos_token_id": 128001}
-TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "rope_theta": 10000.0, "max_position_embeddings": 512, "eos_token_id": 0}
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+    "eos_token_id": 128001,
+}
+TINY = {
+    **LLAMA3_8B,
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
+    "eos_token_id": 0,
+}
 
 
-def start_requests(runner: GPUModelRunner, prompts: list[list[int]], step_id: int = 0,
-                   computed: int = 0) -> list[int]:
+def start_requests(
+    runner: GPUModelRunner, prompts: list[list[int]], step_id: int = 0, computed: int = 0
+) -> list[int]:
     """Send ``prompts`` as new requests (``computed`` tokens already cached, the rest scheduled)
     on their own blocks; returns the sampled tokens."""
     per = -(-(max(map(len, prompts)) + 64) // BLOCK)
-    new = [NewRequestData(f"r{i}", p, [], SamplingParams(),
-                          list(range(1 + i * per, 1 + (i + 1) * per)), computed, len(p) - computed)
-           for i, p in enumerate(prompts)]
+    new = [
+        NewRequestData(
+            f"r{i}",
+            p,
+            [],
+            SamplingParams(),
+            list(range(1 + i * per, 1 + (i + 1) * per)),
+            computed,
+            len(p) - computed,
+        )
+        for i, p in enumerate(prompts)
+    ]
     out = runner.execute_model(StepInput(step_id, new_requests=new))
     return [o.sampled_token_id for o in out.outputs]
 
@@ -90,8 +119,9 @@ def check_tiny_vs_hf(device: torch.device, smoke: bool) -> dict:
     transformers on the same device, float32."""
     import transformers
 
-    cfg = transformers.LlamaConfig(**{k: v for k, v in TINY.items()
-                                      if k not in ("architectures", "model_type")})
+    cfg = transformers.LlamaConfig(
+        **{k: v for k, v in TINY.items() if k not in ("architectures", "model_type")}
+    )
     hf = transformers.AutoModelForCausalLM.from_config(cfg).to(device).eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -100,8 +130,10 @@ def check_tiny_vs_hf(device: torch.device, smoke: bool) -> dict:
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (7, 30, 61, 100)]
     with tempfile.TemporaryDirectory() as path:
         hf.save_pretrained(path)
-        runner = GPUModelRunner(ExecutorConfig(model=path, device=str(device), max_num_seqs=8),
-                                load_model_geometry(path))
+        runner = GPUModelRunner(
+            ExecutorConfig(model=path, device=str(device), max_num_seqs=8),
+            load_model_geometry(path),
+        )
         runner.load_model()
         runner.initialize_kv_cache(64)
         graphs = runner.capture_model() if not smoke else runner.enable_decode_graphs(False)
@@ -113,21 +145,33 @@ def check_tiny_vs_hf(device: torch.device, smoke: bool) -> dict:
     same = 0
     for p, o in zip(prompts, outputs):
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([p], device=device), max_new_tokens=len(o),
-                              do_sample=False, eos_token_id=None, pad_token_id=0)
-        same += o == ref[0, len(p):].tolist()
-    return {"graphs_captured": graphs, "requests": len(prompts), "token_identical": same,
-            "tokens_each": len(outputs[0])}
+            ref = hf.generate(
+                torch.tensor([p], device=device),
+                max_new_tokens=len(o),
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        same += o == ref[0, len(p) :].tolist()
+    return {
+        "graphs_captured": graphs,
+        "requests": len(prompts),
+        "token_identical": same,
+        "tokens_each": len(outputs[0]),
+    }
 
 
-def time_forward(runner: GPUModelRunner, batches: list[int], context: int,
-                 graph_name: str = "") -> list[dict]:
+def time_forward(
+    runner: GPUModelRunner, batches: list[int], context: int, graph_name: str = ""
+) -> list[dict]:
     """Decode forward + logits per variant and batch size (fabricated cache contents); with
     ``graph_name``, only the graph replay, reported under that name."""
     model, device = runner.model, runner.device
-    variants = [("torch", TORCH_LAYER_OPS, "torch", False),
-                ("fused", runner.fused_ops, runner.attention_backend, False),
-                ("graph", runner.fused_ops, runner.attention_backend, True)]
+    variants = [
+        ("torch", TORCH_LAYER_OPS, "torch", False),
+        ("fused", runner.fused_ops, runner.attention_backend, False),
+        ("graph", runner.fused_ops, runner.attention_backend, True),
+    ]
     if graph_name:
         variants = [(graph_name, runner.fused_ops, runner.attention_backend, True)]
     rows = []
@@ -137,8 +181,11 @@ def time_forward(runner: GPUModelRunner, batches: list[int], context: int,
             ids = torch.randint(0, runner.geometry.vocab_size, (batch,), device=device)
             pos = torch.full((batch,), context - 1, device=device)
             for name, ops, backend, graphed in variants:
-                if ops is None or (name == "torch" and runner.fused_ops is not None and
-                                   runner.fused_ops.prepare_linear is not ops.prepare_linear):
+                if ops is None or (
+                    name == "torch"
+                    and runner.fused_ops is not None
+                    and runner.fused_ops.prepare_linear is not ops.prepare_linear
+                ):
                     continue  # (the CPU's fused ops repack the weights: no torch variant)
                 if model.layer_ops is not ops:
                     model.set_layer_ops(ops)
@@ -148,7 +195,8 @@ def time_forward(runner: GPUModelRunner, batches: list[int], context: int,
                 else:
                     meta.derived.clear()
                     ms = event_median_ms(
-                        lambda i=ids, p=pos, m=meta: runner.decode_forward(i, p, m), iters=10)
+                        lambda i=ids, p=pos, m=meta: runner.decode_forward(i, p, m), iters=10
+                    )
                 rows.append({"batch": batch, "context": context, "variant": name, "ms": ms})
     if model.layer_ops is not (runner.fused_ops or TORCH_LAYER_OPS):
         model.set_layer_ops(runner.fused_ops or TORCH_LAYER_OPS)
@@ -177,13 +225,17 @@ def out_in_ops(ops):
     "TN" product) instead of the model's [in, out] ``torch.mm``."""
     import torch.nn.functional as F
 
-    return dataclasses.replace(ops, name=ops.name + "_out_in",
-                               prepare_linear=lambda w: w.t().contiguous(),
-                               linear=lambda x, w, b: F.linear(x, w, b))
+    return dataclasses.replace(
+        ops,
+        name=ops.name + "_out_in",
+        prepare_linear=lambda w: w.t().contiguous(),
+        linear=lambda x, w, b: F.linear(x, w, b),
+    )
 
 
-def recaptured_rows(runner: GPUModelRunner, batches: list[int], context: int, name: str,
-                    blas: str = "", ops=None) -> list[dict]:
+def recaptured_rows(
+    runner: GPUModelRunner, batches: list[int], context: int, name: str, blas: str = "", ops=None
+) -> list[dict]:
     """Graph replay after recapturing with torch's GEMMs on another BLAS library or with other
     layer ops; the BLAS choice is restored after (the ops are not: run this last for them)."""
     default = torch.backends.cuda.preferred_blas_library()
@@ -214,9 +266,11 @@ def profile_replay(runner: GPUModelRunner, batch: int, context: int) -> list[dic
             for _ in range(5):
                 runner.graphs.run(ids, pos, meta)
             torch.cuda.synchronize()
-    rows = [{"kernel": e.key[:90], "calls": e.count // 5,
-             "us_per_step": e.device_time_total / 5}
-            for e in prof.key_averages() if e.device_time_total > 0]
+    rows = [
+        {"kernel": e.key[:90], "calls": e.count // 5, "us_per_step": e.device_time_total / 5}
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    ]
     return sorted(rows, key=lambda r: -r["us_per_step"])[:16]
 
 
@@ -233,9 +287,14 @@ def profile_executor_step(runner: GPUModelRunner, batch: int, context: int) -> l
     stats = pstats.Stats(profiler)
     rows = []
     for (path, line, name), (_, calls, tottime, cumtime, _) in stats.stats.items():
-        rows.append({"function": f"{os.path.basename(path)}:{line}:{name}", "calls": calls,
-                     "tottime_ms_per_step": tottime * 1e3 / 20,
-                     "cumtime_ms_per_step": cumtime * 1e3 / 20})
+        rows.append(
+            {
+                "function": f"{os.path.basename(path)}:{line}:{name}",
+                "calls": calls,
+                "tottime_ms_per_step": tottime * 1e3 / 20,
+                "cumtime_ms_per_step": cumtime * 1e3 / 20,
+            }
+        )
     return sorted(rows, key=lambda r: -r["tottime_ms_per_step"])[:25]
 
 
@@ -256,18 +315,26 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, default=256, help="cached tokens per request")
     p.add_argument("--long-context", type=int, default=1024, help="also at batch max; 0 = off")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, no graphs")
-    p.add_argument("--sweep", action="store_true",
-                   help="also: attention over every partition count and tile; graphs with "
-                        "cuBLASLt and with [out, in] weights")
-    p.add_argument("--profile-host", action="store_true",
-                   help="also: cProfile of execute_model steps at the largest batch")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also: attention over every partition count and tile; graphs with "
+        "cuBLASLt and with [out, in] weights",
+    )
+    p.add_argument(
+        "--profile-host",
+        action="store_true",
+        help="also: cProfile of execute_model steps at the largest batch",
+    )
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     smoke = a.smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda", None if smoke else 0)
     batches = [int(b) for b in a.batch_sizes.split(",")]
-    report: dict = {"device": "cpu" if smoke else torch.cuda.get_device_name(device),
-                    "torch": torch.__version__}
+    report: dict = {
+        "device": "cpu" if smoke else torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+    }
     if not smoke:
         section(report, "copy_TBps", lambda: copy_bandwidth(device) / 1e12)
         section(report, "kernel_rel_err", lambda: check_kernels(device))
@@ -280,9 +347,14 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as path:
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(shape, f)
-        cfg = ExecutorConfig(model=path, dtype="float32" if smoke else "bfloat16",
-                             device=str(device), max_num_seqs=max(batches), max_model_len=2048,
-                             load_format="dummy")
+        cfg = ExecutorConfig(
+            model=path,
+            dtype="float32" if smoke else "bfloat16",
+            device=str(device),
+            max_num_seqs=max(batches),
+            max_model_len=2048,
+            load_format="dummy",
+        )
         runner = GPUModelRunner(cfg, load_model_geometry(path, cfg.max_model_len))
         runner.load_model()
     runner.initialize_kv_cache(1 + max(batches) * per)
@@ -290,29 +362,59 @@ def main(argv=None) -> None:
     # Bytes a decode step streams: every weight but the input embedding (a few rows read).
     embed = runner.model.model.embed_tokens.weight
     report["streamed_weight_bytes"] = runner.weights_bytes - embed.numel() * embed.element_size()
-    section(report, "graphs_captured", lambda: runner.capture_model() if not smoke else
-            runner.enable_decode_graphs(False))
+    section(
+        report,
+        "graphs_captured",
+        lambda: runner.capture_model() if not smoke else runner.enable_decode_graphs(False),
+    )
     rows: list[dict] = []
-    section(report, "forward_short", lambda: rows.extend(
-        time_forward(runner, batches, a.context)) or len(rows))
+    section(
+        report,
+        "forward_short",
+        lambda: rows.extend(time_forward(runner, batches, a.context)) or len(rows),
+    )
     if a.long_context:
-        section(report, "forward_long", lambda: rows.extend(
-            time_forward(runner, [max(batches)], a.long_context)) or len(rows))
+        section(
+            report,
+            "forward_long",
+            lambda: rows.extend(time_forward(runner, [max(batches)], a.long_context)) or len(rows),
+        )
     if not smoke:
         section(report, "profile", lambda: profile_replay(runner, max(batches), a.context))
     if not smoke and a.sweep:  # the same graphs over cuBLASLt's GEMM heuristics
-        section(report, "forward_cublaslt", lambda: rows.extend(recaptured_rows(
-            runner, batches, a.context, "graph_lt", blas="cublaslt")) or len(rows))
+        section(
+            report,
+            "forward_cublaslt",
+            lambda: (
+                rows.extend(
+                    recaptured_rows(runner, batches, a.context, "graph_lt", blas="cublaslt")
+                )
+                or len(rows)
+            ),
+        )
         section(report, "recaptured", runner.enable_decode_graphs)
-    section(report, "executor_step_ms",
-            lambda: time_executor_step(runner, max(batches), a.context, 12) * 1e3)
+    section(
+        report,
+        "executor_step_ms",
+        lambda: time_executor_step(runner, max(batches), a.context, 12) * 1e3,
+    )
     if a.profile_host:
-        section(report, "host_profile",
-                lambda: profile_executor_step(runner, max(batches), a.context))
+        section(
+            report, "host_profile", lambda: profile_executor_step(runner, max(batches), a.context)
+        )
     if not smoke and a.sweep:  # last: this one re-lays the weights out
-        section(report, "forward_out_in", lambda: rows.extend(recaptured_rows(
-            runner, batches, a.context, "graph_oi", ops=out_in_ops(runner.fused_ops)))
-            or len(rows))
+        section(
+            report,
+            "forward_out_in",
+            lambda: (
+                rows.extend(
+                    recaptured_rows(
+                        runner, batches, a.context, "graph_oi", ops=out_in_ops(runner.fused_ops)
+                    )
+                )
+                or len(rows)
+            ),
+        )
     bound_ms = runner.weights_bytes / HBM_BYTES_PER_S * 1e3
     g = runner.geometry
     for r in rows:
@@ -325,27 +427,40 @@ def main(argv=None) -> None:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
     streamed = report["streamed_weight_bytes"] / 1e9
-    print(f"\nweights {runner.weights_bytes / 1e9:.2f} GB ({streamed:.2f} GB streamed per "
-          f"step); bound at 4.8 TB/s {bound_ms:.2f} ms; copy {report.get('copy_TBps')} TB/s")
+    print(
+        f"\nweights {runner.weights_bytes / 1e9:.2f} GB ({streamed:.2f} GB streamed per "
+        f"step); bound at 4.8 TB/s {bound_ms:.2f} ms; copy {report.get('copy_TBps')} TB/s"
+    )
     print(f"{'batch':>5} {'ctx':>5} {'variant':>7} {'ms':>8} {'x bound':>8} {'KV GB':>6}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['context']:>5} {r['variant']:>7} {r['ms']:>8.2f} "
-              f"{r['over_bound']:>8.2f} {r['kv_bytes'] / 1e9:>6.2f}")
+        print(
+            f"{r['batch']:>5} {r['context']:>5} {r['variant']:>7} {r['ms']:>8.2f} "
+            f"{r['over_bound']:>8.2f} {r['kv_bytes'] / 1e9:>6.2f}"
+        )
     sweep = report.get("attention_sweep")
     for r in sweep if isinstance(sweep, list) else []:
-        print(f"attention b={r['batch']:>2} ctx={r['context']:>4} parts={r['parts']:>2} "
-              f"tile={r['tile']:>3}: {r['us']:7.1f} us {r['TBps']:5.2f} TB/s"
-              f"{' (picked)' if r['picked'] else ''}")
+        print(
+            f"attention b={r['batch']:>2} ctx={r['context']:>4} parts={r['parts']:>2} "
+            f"tile={r['tile']:>3}: {r['us']:7.1f} us {r['TBps']:5.2f} TB/s"
+            f"{' (picked)' if r['picked'] else ''}"
+        )
     for r in report.get("host_profile") if isinstance(report.get("host_profile"), list) else []:
-        print(f"host {r['tottime_ms_per_step']:7.3f} ms self {r['cumtime_ms_per_step']:7.3f} ms "
-              f"cum {r['calls'] // 20:5d}x/step  {r['function']}")
+        print(
+            f"host {r['tottime_ms_per_step']:7.3f} ms self {r['cumtime_ms_per_step']:7.3f} ms "
+            f"cum {r['calls'] // 20:5d}x/step  {r['function']}"
+        )
     for r in report.get("profile") if isinstance(report.get("profile"), list) else []:
         print(f"{r['us_per_step']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
-    print(f"executor step (execute_model), batch {max(batches)}, ctx {a.context}: "
-          f"{report['executor_step_ms']} ms")
+    print(
+        f"executor step (execute_model), batch {max(batches)}, ctx {a.context}: "
+        f"{report['executor_step_ms']} ms"
+    )
     for r in report.get("gemms") if isinstance(report.get("gemms"), list) else []:
-        print(f"gemm m={r['m']:>2} {r['k']}x{r['n']}: cuBLAS {r['ms'] * 1e3:.0f} us "
-              f"({r['TBps']:.2f} TB/s)")
+        print(
+            f"gemm m={r['m']:>2} {r['k']}x{r['n']}: cuBLAS {r['ms'] * 1e3:.0f} us "
+            f"({r['TBps']:.2f} TB/s)"
+        )
+
 
 if __name__ == "__main__":
     main()

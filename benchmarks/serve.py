@@ -78,7 +78,7 @@ class RequestResult:
 
 
 def parse_range(text: str) -> tuple[int, int]:
-    """"N" -> (N, N); "LO:HI" -> (LO, HI)."""
+    """ "N" -> (N, N); "LO:HI" -> (LO, HI)."""
     lo, _, hi = text.partition(":")
     low, high = int(lo), int(hi or lo)
     if low < 1 or high < low:
@@ -89,8 +89,14 @@ def parse_range(text: str) -> tuple[int, int]:
 def make_requests(w: Workload) -> list[RequestSpec]:
     """The workload's prompts (random words after an optional shared prefix) and lengths."""
     rng = random.Random(w.seed)
-    prefixes = [" ".join(rng.choices(WORDS, k=w.shared_prefix_len))
-                for _ in range(max(1, w.num_prefix_groups))] if w.shared_prefix_len else [""]
+    prefixes = (
+        [
+            " ".join(rng.choices(WORDS, k=w.shared_prefix_len))
+            for _ in range(max(1, w.num_prefix_groups))
+        ]
+        if w.shared_prefix_len
+        else [""]
+    )
     specs = []
     for i in range(w.num_prompts):
         words = rng.choices(WORDS, k=rng.randint(*w.input_len))
@@ -111,8 +117,12 @@ def percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
         lo, hi = math.floor(pos), math.ceil(pos)
         return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
-    return {"mean": scale * sum(ordered) / len(ordered), "p50": scale * at(0.5),
-            "p90": scale * at(0.9), "p99": scale * at(0.99)}
+    return {
+        "mean": scale * sum(ordered) / len(ordered),
+        "p50": scale * at(0.5),
+        "p90": scale * at(0.9),
+        "p99": scale * at(0.99),
+    }
 
 
 class Progress:
@@ -141,8 +151,13 @@ class Progress:
 
 
 def _body(endpoint: str, model: str, spec: RequestSpec, ignore_eos: bool) -> dict:
-    body: dict = {"model": model, "max_tokens": spec.output_len, "temperature": 0.0,
-                  "stream": True, "stream_options": {"include_usage": True}}
+    body: dict = {
+        "model": model,
+        "max_tokens": spec.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": spec.prompt}]
     else:
@@ -152,16 +167,23 @@ def _body(endpoint: str, model: str, spec: RequestSpec, ignore_eos: bool) -> dic
     return body
 
 
-async def send_request(client: httpx.AsyncClient, base_url: str, endpoint: str, model: str,
-                       spec: RequestSpec, ignore_eos: bool = True) -> RequestResult:
+async def send_request(
+    client: httpx.AsyncClient,
+    base_url: str,
+    endpoint: str,
+    model: str,
+    spec: RequestSpec,
+    ignore_eos: bool = True,
+) -> RequestResult:
     """Send one streamed request and time its content chunks."""
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     result = RequestResult()
     chunks: list[float] = []
     started = time.perf_counter()
     try:
-        async with client.stream("POST", base_url + path,
-                                 json=_body(endpoint, model, spec, ignore_eos)) as resp:
+        async with client.stream(
+            "POST", base_url + path, json=_body(endpoint, model, spec, ignore_eos)
+        ) as resp:
             if resp.status_code != 200:
                 result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
                 return result
@@ -200,11 +222,19 @@ async def discover_model(base_url: str) -> str:
         return resp.json()["data"][0]["id"]
 
 
-async def run_benchmark(base_url: str, model: str, specs: list[RequestSpec],
-                        concurrency: int = 0, request_rate: float = math.inf,
-                        endpoint: str = "completions", ignore_eos: bool = True,
-                        warmup: int = 1, progress: bool = True, timeout: float = 3600.0,
-                        seed: int = 0) -> dict:
+async def run_benchmark(
+    base_url: str,
+    model: str,
+    specs: list[RequestSpec],
+    concurrency: int = 0,
+    request_rate: float = math.inf,
+    endpoint: str = "completions",
+    ignore_eos: bool = True,
+    warmup: int = 1,
+    progress: bool = True,
+    timeout: float = 3600.0,
+    seed: int = 0,
+) -> dict:
     """Send every request (Poisson arrivals at ``request_rate``, at most ``concurrency`` in
     flight; 0 = no limit) and return the summary (see ``summarize``)."""
     base_url = base_url.rstrip("/")
@@ -212,11 +242,13 @@ async def run_benchmark(base_url: str, model: str, specs: list[RequestSpec],
     limit = concurrency or len(specs)
     limits = httpx.Limits(max_connections=limit + 1, max_keepalive_connections=limit + 1)
     rng = random.Random(seed + 1)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0),
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout, connect=30.0), limits=limits
+    ) as client:
         for spec in specs[:warmup]:
-            warm = await send_request(client, base_url, endpoint, model,
-                                      RequestSpec(spec.prompt, 4), ignore_eos)
+            warm = await send_request(
+                client, base_url, endpoint, model, RequestSpec(spec.prompt, 4), ignore_eos
+            )
             if not warm.ok:
                 raise RuntimeError(f"warm-up request failed: {warm.error}")
         gate = asyncio.Semaphore(limit)
@@ -237,8 +269,13 @@ async def run_benchmark(base_url: str, model: str, specs: list[RequestSpec],
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - started
     summary = summarize(results, duration)
-    summary.update(base_url=base_url, model=model, endpoint=endpoint, concurrency=concurrency,
-                   request_rate=request_rate if math.isfinite(request_rate) else "inf")
+    summary.update(
+        base_url=base_url,
+        model=model,
+        endpoint=endpoint,
+        concurrency=concurrency,
+        request_rate=request_rate if math.isfinite(request_rate) else "inf",
+    )
     return summary
 
 
@@ -279,8 +316,9 @@ def format_summary(s: dict) -> str:
     ]
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         v = s[key]
-        lines.append(f"{key:<12}" + "".join(f"{v[q]:>10.1f}" for q in ("mean", "p50", "p90",
-                                                                        "p99")))
+        lines.append(
+            f"{key:<12}" + "".join(f"{v[q]:>10.1f}" for q in ("mean", "p50", "p90", "p99"))
+        )
     lines += [f"error: {e}" for e in s["errors"]]
     return "\n".join(lines)
 
@@ -288,20 +326,33 @@ def format_summary(s: dict) -> str:
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload flags (shared with the other benchmarks)."""
     p.add_argument("--num-prompts", type=int, default=64, help="requests to send")
-    p.add_argument("--input-len", type=parse_range, default=(128, 128),
-                   help="prompt length in words (about tokens): N or LO:HI (uniform)")
-    p.add_argument("--output-len", type=parse_range, default=(64, 64),
-                   help="output tokens: N or LO:HI (uniform)")
-    p.add_argument("--shared-prefix-len", type=int, default=0,
-                   help="words of a prefix shared by the prompts of a group")
+    p.add_argument(
+        "--input-len",
+        type=parse_range,
+        default=(128, 128),
+        help="prompt length in words (about tokens): N or LO:HI (uniform)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=parse_range,
+        default=(64, 64),
+        help="output tokens: N or LO:HI (uniform)",
+    )
+    p.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="words of a prefix shared by the prompts of a group",
+    )
     p.add_argument("--num-prefix-groups", type=int, default=1, help="distinct shared prefixes")
     p.add_argument("--seed", type=int, default=0)
 
 
 def workload_from_args(a: argparse.Namespace) -> Workload:
     """The Workload the flags describe."""
-    return Workload(a.num_prompts, a.input_len, a.output_len, a.shared_prefix_len,
-                    a.num_prefix_groups, a.seed)
+    return Workload(
+        a.num_prompts, a.input_len, a.output_len, a.shared_prefix_len, a.num_prefix_groups, a.seed
+    )
 
 
 def main(argv=None) -> None:
@@ -310,20 +361,39 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="", help="model name (default: the server's first)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--concurrency", type=int, default=0, help="most requests in flight; 0 = any")
-    p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="Poisson arrivals per second (default: all at once)")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second (default: all at once)",
+    )
     add_workload_args(p)
-    p.add_argument("--no-ignore-eos", action="store_true",
-                   help="let requests end at EOS (send no ignore_eos / min_tokens)")
+    p.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="let requests end at EOS (send no ignore_eos / min_tokens)",
+    )
     p.add_argument("--warmup", type=int, default=1, help="short requests sent before timing")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--result-json", default="", help="write the summary here")
     a = p.parse_args(argv)
     specs = make_requests(workload_from_args(a))
-    summary = asyncio.run(run_benchmark(
-        a.base_url, a.model, specs, a.concurrency, a.request_rate, a.endpoint,
-        not a.no_ignore_eos, a.warmup, not a.no_progress, a.timeout, a.seed))
+    summary = asyncio.run(
+        run_benchmark(
+            a.base_url,
+            a.model,
+            specs,
+            a.concurrency,
+            a.request_rate,
+            a.endpoint,
+            not a.no_ignore_eos,
+            a.warmup,
+            not a.no_progress,
+            a.timeout,
+            a.seed,
+        )
+    )
     summary["workload"] = asdict(workload_from_args(a))
     print(format_summary(summary))
     if a.result_json:

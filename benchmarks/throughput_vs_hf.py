@@ -21,9 +21,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.support.processes import model_dir, start_server  # noqa: E402
 
-TOPICS = ["the ocean", "a robot", "mountains", "coffee", "a library", "the moon", "trains",
-          "a garden", "winter", "music", "a city at night", "bees", "a lighthouse", "chess",
-          "volcanoes", "a bakery"]
+TOPICS = [
+    "the ocean",
+    "a robot",
+    "mountains",
+    "coffee",
+    "a library",
+    "the moon",
+    "trains",
+    "a garden",
+    "winter",
+    "music",
+    "a city at night",
+    "bees",
+    "a lighthouse",
+    "chess",
+    "volcanoes",
+    "a bakery",
+]
 
 
 def make_prompts(n: int) -> list[str]:
@@ -37,11 +52,18 @@ async def run_tandem(base_url: str, model: str, prompts: list[str], max_tokens: 
     # Warm-up request (first-step effects).
     await client.completions.create(model=model, prompt="Hi", max_tokens=4, temperature=0)
     started = time.perf_counter()
-    results = await asyncio.gather(*(
-        client.completions.create(model=model, prompt=p, max_tokens=max_tokens, temperature=0,
-                                  extra_body={"ignore_eos": True})
-        for p in prompts
-    ))
+    results = await asyncio.gather(
+        *(
+            client.completions.create(
+                model=model,
+                prompt=p,
+                max_tokens=max_tokens,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            for p in prompts
+        )
+    )
     seconds = time.perf_counter() - started
     tokens = sum(r.usage.completion_tokens for r in results)
     return {"seconds": seconds, "tokens": tokens, "tok_per_s": tokens / seconds}
@@ -58,8 +80,13 @@ def run_hf(path: str, prompts: list[str], max_tokens: int) -> dict:
     with torch.inference_mode():
         model.generate(**tok(["Hi"], return_tensors="pt"), max_new_tokens=4, do_sample=False)
         started = time.perf_counter()
-        out = model.generate(**batch, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                             do_sample=False, pad_token_id=tok.eos_token_id)
+        out = model.generate(
+            **batch,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=tok.eos_token_id,
+        )
         seconds = time.perf_counter() - started
     tokens = (out.shape[1] - batch["input_ids"].shape[1]) * len(prompts)
     return {"seconds": seconds, "tokens": tokens, "tok_per_s": tokens / seconds}
@@ -76,14 +103,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         server = start_server(args.model, tmp)
         try:
-            tandem = asyncio.run(run_tandem(server.base_url, server.model_name, prompts,
-                                            args.max_tokens))
+            tandem = asyncio.run(
+                run_tandem(server.base_url, server.model_name, prompts, args.max_tokens)
+            )
         finally:
             server.stop()
     hf = run_hf(args.model, prompts, args.max_tokens)
-    result = {"concurrency": args.concurrency, "max_tokens": args.max_tokens,
-              "tandem": tandem, "transformers_static_batch": hf,
-              "ratio": tandem["tok_per_s"] / hf["tok_per_s"]}
+    result = {
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "tandem": tandem,
+        "transformers_static_batch": hf,
+        "ratio": tandem["tok_per_s"] / hf["tok_per_s"],
+    }
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:

@@ -46,7 +46,7 @@ _PROMPT_LOGPROB_SLICE = 512
 
 
 def resolve_device(spec: str) -> torch.device:
-    """"auto" -> the current CUDA device when there is one, else the CPU; a CUDA device always
+    """ "auto" -> the current CUDA device when there is one, else the CPU; a CUDA device always
     comes back with its index."""
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
@@ -91,9 +91,13 @@ class GPUModelRunner(TorchModelRunner):
         if self.fused_ops is not None:
             self.model.set_layer_ops(self.fused_ops)
         if self.fused_ops is not None and self.stack_forward_of is not None:
-            self.model.set_stack_forward(self.stack_forward_of(  # the layers in one kernel call
-                cpu_kernels.load_kernels(), self.model,
-                get_attention_backend(self.attention_backend)))
+            self.model.set_stack_forward(
+                self.stack_forward_of(  # the layers in one kernel call
+                    cpu_kernels.load_kernels(),
+                    self.model,
+                    get_attention_backend(self.attention_backend),
+                )
+            )
 
     def after_kv_cache_allocated(self) -> None:
         """Graphs captured over the old cache tensors are dropped (capture_model recaptures)."""
@@ -114,8 +118,11 @@ class GPUModelRunner(TorchModelRunner):
         # it, they would wait for it (the host idles), and the sampler's launches would follow.
         meta = self._sampling_metadata(sample_states) if sample_states else None
         replayed = None
-        if (self.graphs is not None and len(batch.sample_rows) == len(rows)
-                and not batch.prompt_lp_rows):
+        if (
+            self.graphs is not None
+            and len(batch.sample_rows) == len(rows)
+            and not batch.prompt_lp_rows
+        ):
             replayed = self.graphs.run(batch.input_ids, batch.positions, batch.attn)
         if replayed is not None:  # a pure decode step: hidden states and logits by replay
             hidden, decode_logits = replayed
@@ -128,18 +135,25 @@ class GPUModelRunner(TorchModelRunner):
         row_sums.index_add_(0, batch.token_rows, hidden.float().sum(dim=-1))
         results = RowResults.empty(len(rows))
         if meta is not None:
-            logits = decode_logits if decode_logits is not None else \
-                self.model.compute_logits(hidden[batch.logits_indices])
+            logits = (
+                decode_logits
+                if decode_logits is not None
+                else self.model.compute_logits(hidden[batch.logits_indices])
+            )
             logits_ok = logits.sum(dim=-1).isfinite()
             # Zero non-finite rows to keep the batch sane (on the CPU, only when there are any:
             # the check is cheap there, rewriting [S, vocab] is not).
             if self.device.type != "cpu" or not bool(logits_ok.all()):
                 logits = logits.masked_fill(~logits_ok[:, None], 0.0)
             result = self.sampler(logits, meta)
-            token_lps = result.logprobs.to_token_logprobs(meta.num_logprobs) \
-                if result.logprobs is not None else [None] * len(sample_states)
-            for j, (i, token) in enumerate(zip(batch.sample_rows,
-                                               result.sampled_token_ids.tolist())):
+            token_lps = (
+                result.logprobs.to_token_logprobs(meta.num_logprobs)
+                if result.logprobs is not None
+                else [None] * len(sample_states)
+            )
+            for j, (i, token) in enumerate(
+                zip(batch.sample_rows, result.sampled_token_ids.tolist())
+            ):
                 results.sampled[i], results.logprobs[i] = token, token_lps[j]
             row_sums[batch.sample_rows] += torch.where(logits_ok, 0.0, float("nan"))
         results.failed = {i for i, ok in enumerate(row_sums.isfinite().tolist()) if not ok}
@@ -156,7 +170,7 @@ class GPUModelRunner(TorchModelRunner):
         if not self.kv_caches:
             return
         qsl = batch.attn.query_start_loc_host
-        slots = batch.attn.slot_mapping[qsl[row]:qsl[row + 1]]
+        slots = batch.attn.slot_mapping[qsl[row] : qsl[row + 1]]
         for cache in self.kv_caches:
             cache.view(2, -1, *cache.shape[3:])[:, slots] = 0
 
@@ -165,15 +179,17 @@ class GPUModelRunner(TorchModelRunner):
         params = [s.sampling for s in states]
         pen = [p.has_penalties for p in params]
         return build_sampling_metadata(
-            params, positions=[len(s.token_ids) for s in states],
+            params,
+            positions=[len(s.token_ids) for s in states],
             prompt_ids=[s.prompt_token_ids if pen[i] else () for i, s in enumerate(states)],
             output_ids=[s.output_token_ids if pen[i] else () for i, s in enumerate(states)],
-            vocab_size=self.geometry.vocab_size, device=self.device,
+            vocab_size=self.geometry.vocab_size,
+            device=self.device,
             max_logprobs=self.config.max_logprobs,
-            num_outputs=[s.num_output_tokens for s in states])
+            num_outputs=[s.num_output_tokens for s in states],
+        )
 
-    def _prompt_logprobs(self, hidden: torch.Tensor,
-                         batch: StepBatch) -> dict[int, list]:
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch) -> dict[int, list]:
         """Prompt logprobs of the positions computed in this step, per row index."""
         rows = [batch.rows[i] for i in batch.prompt_lp_rows]
         ks = [prompt_logprob_count(r, self.config.max_logprobs) for r in rows]
@@ -183,11 +199,16 @@ class GPUModelRunner(TorchModelRunner):
             sl = slice(start, start + _PROMPT_LOGPROB_SLICE)
             logits = self.model.compute_logits(hidden[batch.prompt_lp_indices[sl]])
             pieces.append(compute_prompt_logprobs(logits, batch.prompt_lp_targets[sl], max(ks)))
-        merged = LogprobsTensors(*(torch.cat([getattr(p, f) for p in pieces]) for f in (
-            "token_ids", "logprobs", "ranks", "top_ids", "top_logprobs")))
+        merged = LogprobsTensors(
+            *(
+                torch.cat([getattr(p, f) for p in pieces])
+                for f in ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs")
+            )
+        )
         per_position = [k for r, k in zip(rows, ks) for _ in range(r.num_prompt_logprobs)]
-        return split_prompt_logprobs(batch.rows, batch.prompt_lp_rows,
-                                     merged.to_token_logprobs(per_position))
+        return split_prompt_logprobs(
+            batch.rows, batch.prompt_lp_rows, merged.to_token_logprobs(per_position)
+        )
 
     # --- profiling and warm-up ------------------------------------------------------------
 
@@ -237,8 +258,9 @@ class GPUModelRunner(TorchModelRunner):
             return 0
         return max(0, torch.cuda.max_memory_allocated(self.device) - base)
 
-    def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states and logits of a pure decode step (what the decode graphs capture)."""
         hidden = self.model(input_ids, positions, meta)
         return hidden, self.model.compute_logits(hidden)
@@ -247,9 +269,14 @@ class GPUModelRunner(TorchModelRunner):
         """Set up decode replay for batch sizes up to max_num_seqs (captured on CUDA; with
         capture=False, the same static-buffer path run eagerly); returns the graphs made."""
         bs = self.config.block_size
-        self.graphs = DecodeGraphs(self.decode_forward, capture_sizes(self.config.max_num_seqs),
-                                   -(-self.geometry.max_model_len // bs), bs, self.device,
-                                   capture=capture)
+        self.graphs = DecodeGraphs(
+            self.decode_forward,
+            capture_sizes(self.config.max_num_seqs),
+            -(-self.geometry.max_model_len // bs),
+            bs,
+            self.device,
+            capture=capture,
+        )
         with torch.inference_mode():
             return self.graphs.capture_all()
 

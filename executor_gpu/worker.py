@@ -36,8 +36,9 @@ class GPUWorker(WorkerBase):
         if self.config.num_threads > 0:
             torch.set_num_threads(self.config.num_threads)
         self.device = device  # the bound device
-        geometry = load_model_geometry(self.config.model, self.config.max_model_len,
-                                       self.config.served_model_name)
+        geometry = load_model_geometry(
+            self.config.model, self.config.max_model_len, self.config.served_model_name
+        )
         self.model_runner = GPUModelRunner(self.config, geometry)
 
     def determine_available_memory(self) -> MemoryProfile:
@@ -48,8 +49,11 @@ class GPUWorker(WorkerBase):
         assert isinstance(runner, GPUModelRunner) and runner.get_model() is not None
         if self.device.type != "cuda":
             budget = self.config.kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES
-            return MemoryProfile(available_kv_bytes=budget, weights_bytes=runner.weights_bytes,
-                                 peak_activation_bytes=0)
+            return MemoryProfile(
+                available_kv_bytes=budget,
+                weights_bytes=runner.weights_bytes,
+                peak_activation_bytes=0,
+            )
         torch.cuda.empty_cache()
         peak = runner.profile_run()
         torch.cuda.empty_cache()
@@ -57,12 +61,23 @@ class GPUWorker(WorkerBase):
         # Whatever the device holds that torch's allocator does not (CUDA context, other
         # processes) also stays unavailable.
         outside_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
-        available = int(total * self.config.gpu_memory_utilization) - runner.weights_bytes \
-            - peak - outside_torch
-        log.info("KV budget %.2f GiB (weights %.2f GiB, peak activations %.2f GiB)",
-                 available / 2**30, runner.weights_bytes / 2**30, peak / 2**30)
-        return MemoryProfile(available_kv_bytes=max(0, available),
-                             weights_bytes=runner.weights_bytes, peak_activation_bytes=peak)
+        available = (
+            int(total * self.config.gpu_memory_utilization)
+            - runner.weights_bytes
+            - peak
+            - outside_torch
+        )
+        log.info(
+            "KV budget %.2f GiB (weights %.2f GiB, peak activations %.2f GiB)",
+            available / 2**30,
+            runner.weights_bytes / 2**30,
+            peak / 2**30,
+        )
+        return MemoryProfile(
+            available_kv_bytes=max(0, available),
+            weights_bytes=runner.weights_bytes,
+            peak_activation_bytes=peak,
+        )
 
     def execute_model(self, step: StepInput) -> StepOutput:
         """Run one step on the runner without autograd."""
@@ -78,6 +93,7 @@ class GPUWorker(WorkerBase):
         usage = super().memory_usage()
         if self.device_kind == "gpu":
             free, total = torch.cuda.mem_get_info(self.device)
-            usage.update(used=total - free, total=total,
-                         allocated=torch.cuda.memory_allocated(self.device))
+            usage.update(
+                used=total - free, total=total, allocated=torch.cuda.memory_allocated(self.device)
+            )
         return usage

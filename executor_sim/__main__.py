@@ -31,29 +31,59 @@ def build_parser() -> argparse.ArgumentParser:
         "for a modeled time and sample random tokens.",
     )
     sim = p.add_argument_group("simulation")
-    sim.add_argument("--step-fixed-ms", type=float, default=5.0,
-                     help="milliseconds every step costs")
-    sim.add_argument("--step-per-token-us", type=float, default=20.0,
-                     help="microseconds per scheduled token")
-    sim.add_argument("--step-per-request-us", type=float, default=0.0,
-                     help="microseconds per scheduled request")
-    sim.add_argument("--step-per-context-token-ns", type=float, default=0.0,
-                     help="nanoseconds per token attended to (sum of sequence lengths)")
-    sim.add_argument("--step-jitter", type=float, default=0.0,
-                     help="relative uniform noise on each step's time (0.1 = +-10%%)")
-    sim.add_argument("--num-blocks", type=int, default=0,
-                     help="KV blocks to report (0: --kv-cache-bytes, else 4096 blocks)")
-    sim.add_argument("--eos-prob", type=float, default=0.0,
-                     help="chance per token of sampling EOS / a stop id (after min_tokens)")
-    sim.add_argument("--sample-vocab-size", type=int, default=0,
-                     help="sample ids below this (0 = the whole vocabulary)")
+    sim.add_argument(
+        "--step-fixed-ms", type=float, default=5.0, help="milliseconds every step costs"
+    )
+    sim.add_argument(
+        "--step-per-token-us", type=float, default=20.0, help="microseconds per scheduled token"
+    )
+    sim.add_argument(
+        "--step-per-request-us", type=float, default=0.0, help="microseconds per scheduled request"
+    )
+    sim.add_argument(
+        "--step-per-context-token-ns",
+        type=float,
+        default=0.0,
+        help="nanoseconds per token attended to (sum of sequence lengths)",
+    )
+    sim.add_argument(
+        "--step-jitter",
+        type=float,
+        default=0.0,
+        help="relative uniform noise on each step's time (0.1 = +-10%%)",
+    )
+    sim.add_argument(
+        "--num-blocks",
+        type=int,
+        default=0,
+        help="KV blocks to report (0: --kv-cache-bytes, else 4096 blocks)",
+    )
+    sim.add_argument(
+        "--eos-prob",
+        type=float,
+        default=0.0,
+        help="chance per token of sampling EOS / a stop id (after min_tokens)",
+    )
+    sim.add_argument(
+        "--sample-vocab-size",
+        type=int,
+        default=0,
+        help="sample ids below this (0 = the whole vocabulary)",
+    )
     sim.add_argument("--device-kind", default="gpu", help="device kind reported")
     sim.add_argument("--device-name", default="simulated", help="device name reported")
-    sim.add_argument("--count", type=int, default=1,
-                     help="simulated executors in this process, each its own gRPC server on "
-                          "ports --port, --port + 1, ... (any free ports with --port 0)")
-    sim.add_argument("--ports-file", default="",
-                     help="once every executor serves, write their ports here, one per line")
+    sim.add_argument(
+        "--count",
+        type=int,
+        default=1,
+        help="simulated executors in this process, each its own gRPC server on "
+        "ports --port, --port + 1, ... (any free ports with --port 0)",
+    )
+    sim.add_argument(
+        "--ports-file",
+        default="",
+        help="once every executor serves, write their ports here, one per line",
+    )
     return p
 
 

@@ -46,10 +46,12 @@ class SimMetrics:
         self.scheduled_tokens = counter("scheduled_tokens", "Tokens scheduled in steps.")
         self.sampled_tokens = counter("sampled_tokens", "Tokens sampled.")
         self.decode_steps = counter("decode_steps", "Pure decode steps.")
-        self.decode_bytes = counter("decode_step_request_bytes",
-                                    "Bytes of the StepRequests of pure decode steps.")
-        self.decode_requests = counter("decode_scheduled_requests",
-                                       "Requests scheduled in pure decode steps.")
+        self.decode_bytes = counter(
+            "decode_step_request_bytes", "Bytes of the StepRequests of pure decode steps."
+        )
+        self.decode_requests = counter(
+            "decode_scheduled_requests", "Requests scheduled in pure decode steps."
+        )
         self.running = Gauge(_PREFIX + "running_requests", "Requests the executor holds.")
 
 

@@ -96,9 +96,14 @@ class SimModelRunner(ModelRunnerBase):
         vocab = self.geometry.vocab_size
         for new in step.new_requests:
             tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
-            req = SimRequest(new.request_id, tokens, len(new.prompt_token_ids),
-                             len(new.block_ids), new.sampling,
-                             hash(tuple(new.prompt_token_ids)))
+            req = SimRequest(
+                new.request_id,
+                tokens,
+                len(new.prompt_token_ids),
+                len(new.block_ids),
+                new.sampling,
+                hash(tuple(new.prompt_token_ids)),
+            )
             self.requests.pop(new.request_id, None)
             bad = ""
             if not new.prompt_token_ids:
@@ -140,19 +145,20 @@ class SimModelRunner(ModelRunnerBase):
             if sampling.prompt_logprobs is not None and computed < req.num_prompt_tokens - 1:
                 last = min(end, req.num_prompt_tokens - 1)
                 out.prompt_logprobs = sampler.prompt_logprobs(
-                    req.token_ids[computed + 1:last + 1], sampling.prompt_logprobs)
+                    req.token_ids[computed + 1 : last + 1], sampling.prompt_logprobs
+                )
             if end == len(req.token_ids):
-                token = sampler.sample(sampling, req.prompt_key, end,
-                                       end - req.num_prompt_tokens)
+                token = sampler.sample(sampling, req.prompt_key, end, end - req.num_prompt_tokens)
                 out.sampled_token_id = token
                 if sampling.logprobs is not None:
                     out.logprobs = sampler.logprobs(token, sampling.logprobs)
                 req.token_ids.append(token)
                 shape.num_sampled += 1
             outputs[req.request_id] = out
-        shape.is_decode = (not step.new_requests and shape.num_tokens == shape.num_requests > 0)
+        shape.is_decode = not step.new_requests and shape.num_tokens == shape.num_requests > 0
         self.last_shape = shape
         order = [r.request_id for r in step.new_requests] + [
-            r.request_id for r in step.cached_requests]
+            r.request_id for r in step.cached_requests
+        ]
         ordered = [outputs.pop(rid) for rid in order if rid in outputs]
         return StepOutput(step_id=step.step_id, outputs=ordered)

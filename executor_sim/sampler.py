@@ -29,8 +29,14 @@ def mix64(*values: int) -> int:
 class FakeSampler:
     """Draws tokens and logprobs for simulated requests."""
 
-    def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int = 0,
-                 eos_prob: float = 0.0, max_logprobs: int = 20):
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        seed: int = 0,
+        eos_prob: float = 0.0,
+        max_logprobs: int = 20,
+    ):
         self.vocab_size = vocab_size  # tokens are drawn from [0, vocab_size)
         self.eos_token_ids = list(eos_token_ids)  # the model's ending ids
         self.eos_prob = eos_prob  # chance per token of ending once min_tokens are out
@@ -48,12 +54,17 @@ class FakeSampler:
             return mix64(prompt_key, position, salt)
         return self.rng.getrandbits(64)
 
-    def sample(self, sampling: SamplingParams, prompt_key: int, position: int,
-               num_output_tokens: int) -> int:
+    def sample(
+        self, sampling: SamplingParams, prompt_key: int, position: int, num_output_tokens: int
+    ) -> int:
         """The token at ``position`` of a request whose prompt hashes to ``prompt_key``."""
         ending = sampling.stop_token_ids or self.eos_token_ids
-        if (self.eos_prob > 0 and ending and num_output_tokens >= sampling.min_tokens
-                and self._draw(sampling, prompt_key, position, 1) / _MASK < self.eos_prob):
+        if (
+            self.eos_prob > 0
+            and ending
+            and num_output_tokens >= sampling.min_tokens
+            and self._draw(sampling, prompt_key, position, 1) / _MASK < self.eos_prob
+        ):
             return ending[self._draw(sampling, prompt_key, position, 2) % len(ending)]
         banned = set(ending).union(self.eos_token_ids)
         value = self._draw(sampling, prompt_key, position, 0)
@@ -76,8 +87,9 @@ class FakeSampler:
             current -= self.rng.random() + 0.01
             top_ids.append(candidate)
             top_lps.append(current)
-        return TokenLogprobs(token_id=token_id, logprob=logprob, rank=1,
-                             top_token_ids=top_ids, top_logprobs=top_lps)
+        return TokenLogprobs(
+            token_id=token_id, logprob=logprob, rank=1, top_token_ids=top_ids, top_logprobs=top_lps
+        )
 
     def prompt_logprobs(self, target_ids: list[int], num_top: int) -> list[TokenLogprobs]:
         """Made-up logprobs of prompt tokens (each ranked at random) and their top tokens."""

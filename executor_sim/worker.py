@@ -50,11 +50,17 @@ class SimWorker(WorkerBase):
         """Read the geometry from config.json and create the runner (no device to bind)."""
         self.device_kind = self.options.device_kind
         self.device_name = self.options.device_name
-        geometry = load_model_geometry(self.config.model, self.config.max_model_len,
-                                       self.config.served_model_name)
+        geometry = load_model_geometry(
+            self.config.model, self.config.max_model_len, self.config.served_model_name
+        )
         vocab = self.options.sample_vocab_size or geometry.vocab_size
-        sampler = FakeSampler(min(vocab, geometry.vocab_size), geometry.eos_token_ids,
-                              self.config.seed, self.options.eos_prob, self.config.max_logprobs)
+        sampler = FakeSampler(
+            min(vocab, geometry.vocab_size),
+            geometry.eos_token_ids,
+            self.config.seed,
+            self.options.eos_prob,
+            self.config.max_logprobs,
+        )
         self.model_runner = SimModelRunner(self.config, geometry, sampler)
 
     def determine_available_memory(self) -> MemoryProfile:
@@ -64,8 +70,11 @@ class SimWorker(WorkerBase):
             budget = self.options.num_blocks * per_block
         else:
             budget = self.config.kv_cache_bytes or DEFAULT_NUM_BLOCKS * per_block
-        return MemoryProfile(available_kv_bytes=budget, weights_bytes=self.options.weights_bytes,
-                             peak_activation_bytes=0)
+        return MemoryProfile(
+            available_kv_bytes=budget,
+            weights_bytes=self.options.weights_bytes,
+            peak_activation_bytes=0,
+        )
 
     def compile_or_warm_up_model(self) -> int:
         """Nothing to compile (and no torch to seed)."""
@@ -81,8 +90,9 @@ class SimWorker(WorkerBase):
         assert isinstance(runner, SimModelRunner)
         output = runner.execute_model(step)
         shape = runner.last_shape
-        modeled = self.options.latency.seconds(shape.num_tokens, shape.num_requests,
-                                               shape.num_context_tokens, self._jitter_rng)
+        modeled = self.options.latency.seconds(
+            shape.num_tokens, shape.num_requests, shape.num_context_tokens, self._jitter_rng
+        )
         remaining = modeled - (time.perf_counter() - started)
         if remaining > 0:
             time.sleep(remaining)

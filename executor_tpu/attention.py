@@ -50,8 +50,7 @@ class KVLayout:
     @property
     def padded(self) -> bool:
         """Whether the layout stores padding."""
-        return (self.padded_kv_heads, self.padded_head_dim) != (self.num_kv_heads,
-                                                                 self.head_dim)
+        return (self.padded_kv_heads, self.padded_head_dim) != (self.num_kv_heads, self.head_dim)
 
 
 def plain_layout(num_kv_heads: int, head_dim: int) -> KVLayout:
@@ -93,13 +92,18 @@ class StaticAttentionMetadata:
     derived: dict[Any, Any] = field(default_factory=dict)  # per-step tensors shared by layers
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             meta: StaticAttentionMetadata) -> None:
+def write_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: StaticAttentionMetadata
+) -> None:
     """Store the new tokens' keys/values ([T, kv_heads, head_dim]) at their slots."""
     layout = meta.layout
     if layout.padded:
-        pad = (0, layout.padded_head_dim - layout.head_dim,
-               0, layout.padded_kv_heads - layout.num_kv_heads)
+        pad = (
+            0,
+            layout.padded_head_dim - layout.head_dim,
+            0,
+            layout.padded_kv_heads - layout.num_kv_heads,
+        )
         key, value = F.pad(key, pad), F.pad(value, pad)
     t = key.shape[0]
     combined = torch.stack([key, value], dim=2).reshape(t, *kv_cache.shape[2:])
@@ -109,9 +113,14 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     kv_cache.view(-1, *kv_cache.shape[2:]).index_copy_(0, meta.slot_mapping, combined)
 
 
-def gather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     kv_cache: torch.Tensor | None, meta: StaticAttentionMetadata,
-                     scale: float) -> torch.Tensor:
+def gather_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor | None,
+    meta: StaticAttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """Causal paged attention with static shapes: query [T, heads, d] -> [T, heads, d]."""
     if kv_cache is None:
         raise RuntimeError("static attention needs a bound KV cache")
@@ -127,8 +136,8 @@ def gather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     flat_tables, visible = meta.derived["gather"]  # [T * W], [T, L]
     length = visible.shape[1]
     ctx = kv_cache.index_select(0, flat_tables).view(t, length, *kv_cache.shape[2:])
-    keys = ctx[:, :, 0:2 * kv_heads:2, :head_dim]  # [T, L, kvh, d]
-    values = ctx[:, :, 1:2 * kv_heads:2, :head_dim]
+    keys = ctx[:, :, 0 : 2 * kv_heads : 2, :head_dim]  # [T, L, kvh, d]
+    values = ctx[:, :, 1 : 2 * kv_heads : 2, :head_dim]
     q = query.view(t, kv_heads, group, head_dim).float()
     scores = torch.einsum("tkgd,tlkd->tkgl", q, keys.float()) * scale
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
@@ -137,9 +146,14 @@ def gather_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out.reshape(t, num_heads, head_dim).to(query.dtype)
 
 
-def ragged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     kv_cache: torch.Tensor | None, meta: StaticAttentionMetadata,
-                     scale: float) -> torch.Tensor:
+def ragged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor | None,
+    meta: StaticAttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """The same attention through torch_xla's ragged paged attention kernel (TPU only)."""
     from torch_xla.experimental.custom_kernel import ragged_paged_attention
 
@@ -151,12 +165,26 @@ def ragged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     group = num_heads // layout.num_kv_heads
     # Query heads follow their kv head (head h reads kv head h // group): padded kv heads get
     # zero query heads appended, and the head size is padded with zeros (scores unchanged).
-    q = F.pad(query, (0, layout.padded_head_dim - head_dim,
-                      0, (layout.padded_kv_heads - layout.num_kv_heads) * group))
+    q = F.pad(
+        query,
+        (
+            0,
+            layout.padded_head_dim - head_dim,
+            0,
+            (layout.padded_kv_heads - layout.num_kv_heads) * group,
+        ),
+    )
     num_reqs = meta.seq_lens.shape[0]
-    out = ragged_paged_attention(q, kv_cache, meta.seq_lens, meta.block_tables[:num_reqs],
-                                 meta.query_start_loc, meta.num_seqs, sm_scale=scale,
-                                 use_kernel=True)
+    out = ragged_paged_attention(
+        q,
+        kv_cache,
+        meta.seq_lens,
+        meta.block_tables[:num_reqs],
+        meta.query_start_loc,
+        meta.num_seqs,
+        sm_scale=scale,
+        use_kernel=True,
+    )
     return out[:, :num_heads, :head_dim]
 
 

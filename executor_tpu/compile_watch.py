@@ -73,8 +73,11 @@ class CompileWatch:
         self.after_warmup = 0  # programs compiled since warm-up ended
         self.warmup_compilations = 0  # programs compiled by the last warm-up
         self.warmup_compile_seconds = 0.0  # their compiler time
-        _set("tandem:xla_compilations_after_warmup",
-             "XLA programs compiled after warm-up (0 when every shape was precompiled)", 0)
+        _set(
+            "tandem:xla_compilations_after_warmup",
+            "XLA programs compiled after warm-up (0 when every shape was precompiled)",
+            0,
+        )
 
     def start_warmup(self) -> None:
         """Warm-up begins: compilations are expected."""
@@ -88,13 +91,22 @@ class CompileWatch:
         self.warmup_compilations = now.count - self.warmup_start.count
         self.warmup_compile_seconds = now.seconds - self.warmup_start.seconds
         self.baseline, self.after_warmup = now, 0
-        _set("tandem:xla_warmup_compilations", "XLA programs compiled by the last warm-up",
-             self.warmup_compilations)
-        _set("tandem:xla_warmup_compile_seconds", "compiler seconds of the last warm-up",
-             self.warmup_compile_seconds)
+        _set(
+            "tandem:xla_warmup_compilations",
+            "XLA programs compiled by the last warm-up",
+            self.warmup_compilations,
+        )
+        _set(
+            "tandem:xla_warmup_compile_seconds",
+            "compiler seconds of the last warm-up",
+            self.warmup_compile_seconds,
+        )
         _set("tandem:xla_warmup_seconds", "wall seconds of the last warm-up", seconds)
-        _set("tandem:xla_compilations_after_warmup",
-             "XLA programs compiled after warm-up (0 when every shape was precompiled)", 0)
+        _set(
+            "tandem:xla_compilations_after_warmup",
+            "XLA programs compiled after warm-up (0 when every shape was precompiled)",
+            0,
+        )
         return self.warmup_compilations
 
     def check(self, what: str) -> int:
@@ -106,9 +118,16 @@ class CompileWatch:
         new = total - self.after_warmup
         if new > 0:
             self.after_warmup = total
-            log.warning("%s compiled %d XLA program(s) after warm-up (%d in all): a shape was "
-                        "not precompiled", what, new, total)
-            _set("tandem:xla_compilations_after_warmup",
-                 "XLA programs compiled after warm-up (0 when every shape was precompiled)",
-                 total)
+            log.warning(
+                "%s compiled %d XLA program(s) after warm-up (%d in all): a shape was "
+                "not precompiled",
+                what,
+                new,
+                total,
+            )
+            _set(
+                "tandem:xla_compilations_after_warmup",
+                "XLA programs compiled after warm-up (0 when every shape was precompiled)",
+                total,
+            )
         return max(new, 0)

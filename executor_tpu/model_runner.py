@@ -79,27 +79,38 @@ def kernel_available() -> bool:
     torch_xla's ``pallas`` extra)."""
     if importlib.util.find_spec("jax") is not None:
         return True
-    log.warning("jax is not installed (pip install 'torch_xla[tpu,pallas]==2.9.0'): the TPU "
-                "runs the static gather attention instead of the ragged paged kernel")
+    log.warning(
+        "jax is not installed (pip install 'torch_xla[tpu,pallas]==2.9.0'): the TPU "
+        "runs the static gather attention instead of the ragged paged kernel"
+    )
     return False
 
 
 class TPUModelRunner(TorchModelRunner):
     """Runs steps of a Llama-family model on a TPU (or XLA:CPU) with precompiled shapes."""
 
-    def __init__(self, config: ExecutorConfig, geometry: ModelGeometry, options: TPUOptions,
-                 device: torch.device):
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        geometry: ModelGeometry,
+        options: TPUOptions,
+        device: torch.device,
+    ):
         super().__init__(config, geometry, device, batch_device="cpu")
         self.options = options  # buckets, attention, layout, cache
         attention = options.attention
         if attention == "auto":
             attention = "ragged" if is_tpu(device) and kernel_available() else "gather"
         self.attention_backend = f"xla_{attention}"
-        padded = options.kv_layout == "padded" or (options.kv_layout == "auto"
-                                                   and attention == "ragged")
+        padded = options.kv_layout == "padded" or (
+            options.kv_layout == "auto" and attention == "ragged"
+        )
         dtype_bytes = torch.empty(0, dtype=self.dtype).element_size()
-        self.layout = kernel_layout(geometry.num_kv_heads, geometry.head_dim, dtype_bytes) \
-            if padded else plain_layout(geometry.num_kv_heads, geometry.head_dim)
+        self.layout = (
+            kernel_layout(geometry.num_kv_heads, geometry.head_dim, dtype_bytes)
+            if padded
+            else plain_layout(geometry.num_kv_heads, geometry.head_dim)
+        )
         self.compile_watch = CompileWatch()  # compilations during / after warm-up
         self.max_blocks = self._table_width()  # block-table width (fixed per warm-up)
         self._unseeded_draws = 0  # noise keys handed to unseeded rows since reset()
@@ -109,8 +120,12 @@ class TPUModelRunner(TorchModelRunner):
     @property
     def plan(self) -> BucketPlan:
         """The buckets for the controller's current step limits."""
-        return plan_buckets(self.config.max_num_batched_tokens, self.config.max_num_seqs,
-                            self.options.token_buckets, self.options.request_buckets)
+        return plan_buckets(
+            self.config.max_num_batched_tokens,
+            self.config.max_num_seqs,
+            self.options.token_buckets,
+            self.options.request_buckets,
+        )
 
     def _table_width(self) -> int:
         return -(-self.geometry.max_model_len // self.config.block_size)
@@ -119,11 +134,14 @@ class TPUModelRunner(TorchModelRunner):
         """Chunked prefill as configured, plus the buckets (the scheduler sizes steps to
         fit the largest)."""
         plan = self.plan
-        return Capabilities(chunked_prefill=self.config.chunked_prefill,
-                            max_tokens_per_step=plan.max_tokens,
-                            token_buckets=list(plan.token_buckets),
-                            request_buckets=list(plan.request_buckets),
-                            max_num_seqs=plan.max_seqs, max_logprobs=self.config.max_logprobs)
+        return Capabilities(
+            chunked_prefill=self.config.chunked_prefill,
+            max_tokens_per_step=plan.max_tokens,
+            token_buckets=list(plan.token_buckets),
+            request_buckets=list(plan.request_buckets),
+            max_num_seqs=plan.max_seqs,
+            max_logprobs=self.config.max_logprobs,
+        )
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
         """Block size and bytes of the (possibly padded) layout."""
@@ -162,39 +180,53 @@ class TPUModelRunner(TorchModelRunner):
         """Pad the rows to their buckets, run the precompiled programs, unpack the results."""
         plan = self.plan
         num_tokens = sum(r.num_scheduled for r in rows)
-        step = build_static_step(rows, pick_bucket(num_tokens, plan.token_buckets),
-                                 pick_bucket(len(rows), plan.request_buckets), self.max_blocks,
-                                 self.config.block_size)
+        step = build_static_step(
+            rows,
+            pick_bucket(num_tokens, plan.token_buckets),
+            pick_bucket(len(rows), plan.request_buckets),
+            self.max_blocks,
+            self.config.block_size,
+        )
         sampling = self._sampling_inputs(rows, step.request_bucket)
-        packed, prompt = self._execute(step, sampling,
-                                       any(r.num_prompt_logprobs for r in rows))
-        self.compile_watch.check(f"a step of {num_tokens} tokens x {len(rows)} requests "
-                                 f"(buckets {step.token_bucket} x {step.request_bucket}, "
-                                 f"sampling {sampling.variant})")
+        packed, prompt = self._execute(step, sampling, any(r.num_prompt_logprobs for r in rows))
+        self.compile_watch.check(
+            f"a step of {num_tokens} tokens x {len(rows)} requests "
+            f"(buckets {step.token_bucket} x {step.request_bucket}, "
+            f"sampling {sampling.variant})"
+        )
         return self._unpack(step, sampling, packed, prompt)
 
-    def _sampling_inputs(self, rows: list[ScheduledRow], request_bucket: int,
-                         variant: SampleVariant | None = None) -> SamplingInputs:
+    def _sampling_inputs(
+        self, rows: list[ScheduledRow], request_bucket: int, variant: SampleVariant | None = None
+    ) -> SamplingInputs:
         keys = []
         for _ in rows:
             keys.append(seed_key(self.config.seed ^ _UNSEEDED_SALT, self._unseeded_draws))
             self._unseeded_draws += 1
         return build_sampling_inputs(
-            [r.state.sampling for r in rows], [r.state.token_ids for r in rows],
-            [r.state.num_prompt_tokens for r in rows], request_bucket,
-            self.geometry.vocab_size, self.geometry.max_model_len, self.config.max_logprobs,
-            keys, variant)
+            [r.state.sampling for r in rows],
+            [r.state.token_ids for r in rows],
+            [r.state.num_prompt_tokens for r in rows],
+            request_bucket,
+            self.geometry.vocab_size,
+            self.geometry.max_model_len,
+            self.config.max_logprobs,
+            keys,
+            variant,
+        )
 
-    def _execute(self, step: StaticStep, sampling: SamplingInputs,
-                 with_prompt_logprobs: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    def _execute(
+        self, step: StaticStep, sampling: SamplingInputs, with_prompt_logprobs: bool
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         """Move the inputs, run forward / sampling / prompt logprobs, fetch the results."""
         d, hidden, logits, row_ok = self.forward_step({**step.arrays(), **sampling.arrays()})
         packed = sample(logits, row_ok, d, sampling.variant, self.config.max_logprobs)
         torch_xla.sync()
         prompt = None
         if with_prompt_logprobs:
-            prompt = token_logprobs(self.model.compute_logits(hidden), d["prompt_lp_targets"],
-                                    self.config.max_logprobs)
+            prompt = token_logprobs(
+                self.model.compute_logits(hidden), d["prompt_lp_targets"], self.config.max_logprobs
+            )
             torch_xla.sync()
         return packed.cpu().numpy(), None if prompt is None else prompt.cpu().numpy()
 
@@ -202,8 +234,9 @@ class TPUModelRunner(TorchModelRunner):
         """Move ``arrays`` (a StaticStep's, plus anything later programs read) in one batch and
         run the forward program; returns (device inputs by name, hidden [T, H], last-token
         logits [R, V], row finiteness [R]), all materialized on the device."""
-        moved = xm.send_cpu_data_to_device([torch.from_numpy(a) for a in arrays.values()],
-                                           self.device)
+        moved = xm.send_cpu_data_to_device(
+            [torch.from_numpy(a) for a in arrays.values()], self.device
+        )
         d = dict(zip(arrays, moved))
         # The KV tensors are updated in place: donate their buffers to the forward program's
         # outputs, or every step would copy the whole cache.
@@ -217,10 +250,16 @@ class TPUModelRunner(TorchModelRunner):
     def _forward(self, d: dict[str, torch.Tensor]):
         """Hidden states [T, H], last-token logits [R, V] and row finiteness [R]."""
         meta = StaticAttentionMetadata(
-            slot_mapping=d["slot_mapping"], positions=d["positions"],
-            token_rows=d["token_rows"], block_tables=d["block_tables"], seq_lens=d["seq_lens"],
-            query_start_loc=d["query_start_loc"], num_seqs=d["num_seqs"],
-            block_size=self.config.block_size, layout=self.layout)
+            slot_mapping=d["slot_mapping"],
+            positions=d["positions"],
+            token_rows=d["token_rows"],
+            block_tables=d["block_tables"],
+            seq_lens=d["seq_lens"],
+            query_start_loc=d["query_start_loc"],
+            num_seqs=d["num_seqs"],
+            block_size=self.config.block_size,
+            layout=self.layout,
+        )
         hidden = self.model(d["input_ids"], d["positions"], meta)
         logits = self.model.compute_logits(hidden.index_select(0, d["logits_indices"]))
         rows = logits.shape[0]
@@ -229,8 +268,13 @@ class TPUModelRunner(TorchModelRunner):
         row_ok = (per_row[:rows] == 0) & logits.sum(dim=-1).isfinite()
         return hidden, logits, row_ok
 
-    def _unpack(self, step: StaticStep, sampling: SamplingInputs, packed: np.ndarray,
-                prompt: np.ndarray | None) -> RowResults:
+    def _unpack(
+        self,
+        step: StaticStep,
+        sampling: SamplingInputs,
+        packed: np.ndarray,
+        prompt: np.ndarray | None,
+    ) -> RowResults:
         rows = step.rows
         results = RowResults.empty(len(rows))
         qsl = step.query_start_loc
@@ -249,22 +293,29 @@ class TPUModelRunner(TorchModelRunner):
                 start, c = int(qsl[i]), row.num_computed
                 results.prompt_logprobs[i] = [
                     unpack_logprobs(prompt[start + j], row.state.token_ids[c + 1 + j], k)
-                    for j in range(row.num_prompt_logprobs)]
+                    for j in range(row.num_prompt_logprobs)
+                ]
         return results
 
     # --- warm-up and profiling ------------------------------------------------------------
 
-    def _run_fabricated(self, num_tokens: int, token_bucket: int, request_bucket: int,
-                        variant: SampleVariant, prompt_logprobs: bool) -> None:
+    def _run_fabricated(
+        self,
+        num_tokens: int,
+        token_bucket: int,
+        request_bucket: int,
+        variant: SampleVariant,
+        prompt_logprobs: bool,
+    ) -> None:
         """One fabricated row (null blocks only) padded to the given shapes."""
         params = _VARIANT_PARAMS[variant.kind]
         if variant.adjust:
             params = SamplingParams(**{**params.__dict__, **_ADJUST})
-        tokens = max(1, min(num_tokens, token_bucket,
-                            self.max_blocks * self.config.block_size - 1))
+        tokens = max(1, min(num_tokens, token_bucket, self.max_blocks * self.config.block_size - 1))
         rows = self.dummy_rows(tokens, 1, 0, params)
-        step = build_static_step(rows, token_bucket, request_bucket, self.max_blocks,
-                                 self.config.block_size)
+        step = build_static_step(
+            rows, token_bucket, request_bucket, self.max_blocks, self.config.block_size
+        )
         sampling = self._sampling_inputs(rows, request_bucket, variant)
         self._execute(step, sampling, prompt_logprobs)
 
@@ -272,9 +323,13 @@ class TPUModelRunner(TorchModelRunner):
         """A greedy step of fabricated tokens padded like a real one of that size."""
         plan = self.plan
         with torch.no_grad():
-            self._run_fabricated(num_tokens, pick_bucket(num_tokens, plan.token_buckets),
-                                 pick_bucket(num_reqs, plan.request_buckets), VARIANTS[0],
-                                 False)
+            self._run_fabricated(
+                num_tokens,
+                pick_bucket(num_tokens, plan.token_buckets),
+                pick_bucket(num_reqs, plan.request_buckets),
+                VARIANTS[0],
+                False,
+            )
 
     def capture_model(self) -> int:
         """Compile every forward shape, sampling variant and prompt-logprob shape; returns the
@@ -282,10 +337,16 @@ class TPUModelRunner(TorchModelRunner):
         plan = self.plan
         pairs = plan.pairs()
         total = len(pairs) + len(plan.request_buckets) * (len(VARIANTS) - 1)
-        log.info("warm-up: %d runs: forward for %d shapes (tokens %s x requests %s) with "
-                 "prompt logprobs per token bucket, then %d sampling variants per request "
-                 "bucket", total, len(pairs), plan.token_buckets, plan.request_buckets,
-                 len(VARIANTS))
+        log.info(
+            "warm-up: %d runs: forward for %d shapes (tokens %s x requests %s) with "
+            "prompt logprobs per token bucket, then %d sampling variants per request "
+            "bucket",
+            total,
+            len(pairs),
+            plan.token_buckets,
+            plan.request_buckets,
+            len(VARIANTS),
+        )
         self.compile_watch.start_warmup()
         started = time.perf_counter()
         done = 0
@@ -296,23 +357,40 @@ class TPUModelRunner(TorchModelRunner):
                 self._run_fabricated(t, t, r, VARIANTS[0], t not in seen_tokens)
                 seen_tokens.add(t)
                 done += 1
-                log.info("warm-up %d/%d: forward %d tokens x %d requests (%.1fs)", done, total,
-                         t, r, time.perf_counter() - t0)
+                log.info(
+                    "warm-up %d/%d: forward %d tokens x %d requests (%.1fs)",
+                    done,
+                    total,
+                    t,
+                    r,
+                    time.perf_counter() - t0,
+                )
             for r in plan.request_buckets:
                 t = min(tt for tt, rr in pairs if rr == r)
                 for variant in VARIANTS[1:]:
                     t0 = time.perf_counter()
                     self._run_fabricated(1, t, r, variant, False)
                     done += 1
-                    log.info("warm-up %d/%d: sampling %s%s x %d requests (%.1fs)", done, total,
-                             variant.kind, " + penalties" if variant.adjust else "", r,
-                             time.perf_counter() - t0)
+                    log.info(
+                        "warm-up %d/%d: sampling %s%s x %d requests (%.1fs)",
+                        done,
+                        total,
+                        variant.kind,
+                        " + penalties" if variant.adjust else "",
+                        r,
+                        time.perf_counter() - t0,
+                    )
         seconds = time.perf_counter() - started
         compiled = self.compile_watch.end_warmup(seconds)
         self._unseeded_draws = 0
-        log.info("warm-up done in %.1fs: %d XLA programs compiled (%.1fs in the compiler); "
-                 "persistent cache %s", seconds, compiled,
-                 self.compile_watch.warmup_compile_seconds, persistent_cache_counters())
+        log.info(
+            "warm-up done in %.1fs: %d XLA programs compiled (%.1fs in the compiler); "
+            "persistent cache %s",
+            seconds,
+            compiled,
+            self.compile_watch.warmup_compile_seconds,
+            persistent_cache_counters(),
+        )
         return compiled
 
     def profile_run(self) -> int:
@@ -323,9 +401,13 @@ class TPUModelRunner(TorchModelRunner):
         self.initialize_kv_cache(self.max_blocks + 1)
         try:
             with torch.no_grad():
-                self._run_fabricated(plan.token_buckets[-1], plan.token_buckets[-1],
-                                     plan.request_buckets[-1], SampleVariant("sort", True),
-                                     True)
+                self._run_fabricated(
+                    plan.token_buckets[-1],
+                    plan.token_buckets[-1],
+                    plan.request_buckets[-1],
+                    SampleVariant("sort", True),
+                    True,
+                )
             info = xm.get_memory_info(self.device)
             peak = int(info.get("peak_bytes_used", info.get("bytes_used", 0)))
         finally:

@@ -61,7 +61,8 @@ def _int_list(text: str) -> list[int]:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}") from None
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
     if any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"bucket sizes must be positive: {text!r}")
     return values
@@ -70,25 +71,47 @@ def _int_list(text: str) -> list[int]:
 def add_tpu_arguments(parser: argparse.ArgumentParser) -> None:
     """The TPU executor's flags (on top of the shared executor flags)."""
     g = parser.add_argument_group("TPU / XLA")
-    g.add_argument("--compile-cache-dir", default="auto",
-                   help="persistent XLA compilation cache; 'auto' = "
-                        f"{DEFAULT_TPU_CACHE_DIR} on a TPU, off on XLA:CPU; '' = off")
-    g.add_argument("--token-buckets", type=_int_list, default=[],
-                   help="token counts a step is padded to, e.g. 16,32,64 (default: powers of "
-                        "two from 16 to the controller's step budget)")
-    g.add_argument("--request-buckets", type=_int_list, default=[],
-                   help="request counts a step is padded to, e.g. 8,16 (default: powers of "
-                        "two from 8 to the controller's max_num_seqs)")
-    g.add_argument("--attention", choices=["auto", "ragged", "gather"], default="auto",
-                   help="ragged paged attention kernel (TPU) or the static gather path; "
-                        "auto = the kernel on a TPU")
-    g.add_argument("--kv-layout", choices=["auto", "padded", "plain"], default="auto",
-                   help="pad KV heads / head size for the kernel (auto: when it is used)")
+    g.add_argument(
+        "--compile-cache-dir",
+        default="auto",
+        help="persistent XLA compilation cache; 'auto' = "
+        f"{DEFAULT_TPU_CACHE_DIR} on a TPU, off on XLA:CPU; '' = off",
+    )
+    g.add_argument(
+        "--token-buckets",
+        type=_int_list,
+        default=[],
+        help="token counts a step is padded to, e.g. 16,32,64 (default: powers of "
+        "two from 16 to the controller's step budget)",
+    )
+    g.add_argument(
+        "--request-buckets",
+        type=_int_list,
+        default=[],
+        help="request counts a step is padded to, e.g. 8,16 (default: powers of "
+        "two from 8 to the controller's max_num_seqs)",
+    )
+    g.add_argument(
+        "--attention",
+        choices=["auto", "ragged", "gather"],
+        default="auto",
+        help="ragged paged attention kernel (TPU) or the static gather path; "
+        "auto = the kernel on a TPU",
+    )
+    g.add_argument(
+        "--kv-layout",
+        choices=["auto", "padded", "plain"],
+        default="auto",
+        help="pad KV heads / head size for the kernel (auto: when it is used)",
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> TPUOptions:
     """The TPUOptions the flags describe."""
-    return TPUOptions(compile_cache_dir=args.compile_cache_dir,
-                      token_buckets=list(args.token_buckets),
-                      request_buckets=list(args.request_buckets), attention=args.attention,
-                      kv_layout=args.kv_layout)
+    return TPUOptions(
+        compile_cache_dir=args.compile_cache_dir,
+        token_buckets=list(args.token_buckets),
+        request_buckets=list(args.request_buckets),
+        attention=args.attention,
+        kv_layout=args.kv_layout,
+    )

@@ -50,15 +50,19 @@ class SampleVariant:
 
 
 #: Every variant, in warm-up order.
-VARIANTS = [SampleVariant(kind, adjust) for kind in ("greedy", "topk", "sort")
-            for adjust in (False, True)]
+VARIANTS = [
+    SampleVariant(kind, adjust) for kind in ("greedy", "topk", "sort") for adjust in (False, True)
+]
 
 
-def choose_variant(params: list[SamplingParams], vocab_size: int,
-                   num_outputs: list[int]) -> SampleVariant:
+def choose_variant(
+    params: list[SamplingParams], vocab_size: int, num_outputs: list[int]
+) -> SampleVariant:
     """The cheapest variant that samples ``params`` exactly."""
-    adjust = any(p.has_penalties or (n < p.min_tokens and p.stop_token_ids)
-                 for p, n in zip(params, num_outputs))
+    adjust = any(
+        p.has_penalties or (n < p.min_tokens and p.stop_token_ids)
+        for p, n in zip(params, num_outputs)
+    )
     random = [p for p in params if not p.greedy]
     if not random and all(p.logprobs is None for p in params):
         return SampleVariant("greedy", adjust)
@@ -86,15 +90,23 @@ class SamplingInputs:
         """The arrays to move to the device, by name."""
         out = {"s_floats": self.floats, "s_ints": self.ints}
         if self.variant.adjust:
-            out.update(s_history=self.history, s_output_start=self.output_start,
-                       s_suppress=self.suppress)
+            out.update(
+                s_history=self.history, s_output_start=self.output_start, s_suppress=self.suppress
+            )
         return out
 
 
-def build_sampling_inputs(params: list[SamplingParams], token_ids: list[list[int]],
-                          num_prompt: list[int], request_bucket: int, vocab_size: int,
-                          history_width: int, max_logprobs: int, unseeded_keys: list[int],
-                          variant: SampleVariant | None = None) -> SamplingInputs:
+def build_sampling_inputs(
+    params: list[SamplingParams],
+    token_ids: list[list[int]],
+    num_prompt: list[int],
+    request_bucket: int,
+    vocab_size: int,
+    history_width: int,
+    max_logprobs: int,
+    unseeded_keys: list[int],
+    variant: SampleVariant | None = None,
+) -> SamplingInputs:
     """Host arrays for the rows' parameters; row i samples the token at ``len(token_ids[i])``.
     ``unseeded_keys`` gives the noise key of each row without a seed (one per row)."""
     n = len(params)
@@ -104,11 +116,16 @@ def build_sampling_inputs(params: list[SamplingParams], token_ids: list[list[int
     floats[1], floats[5] = 1.0, 1.0  # top_p and repetition off for padding rows
     ints = np.zeros((2, request_bucket), np.int64)
     for i, p in enumerate(params):
-        floats[:, i] = (max(p.temperature, 0.0), min(max(p.top_p, 0.0), 1.0), p.min_p,
-                        p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+        floats[:, i] = (
+            max(p.temperature, 0.0),
+            min(max(p.top_p, 0.0), 1.0),
+            p.min_p,
+            p.presence_penalty,
+            p.frequency_penalty,
+            p.repetition_penalty,
+        )
         ints[0, i] = p.top_k if 0 < p.top_k < vocab_size else 0
-        ints[1, i] = seed_key(p.seed, len(token_ids[i])) if p.seed is not None \
-            else unseeded_keys[i]
+        ints[1, i] = seed_key(p.seed, len(token_ids[i])) if p.seed is not None else unseeded_keys[i]
     history = output_start = suppress = None
     if variant.adjust:
         history = np.full((request_bucket, history_width), vocab_size, np.int64)
@@ -117,14 +134,13 @@ def build_sampling_inputs(params: list[SamplingParams], token_ids: list[list[int
         for i, p in enumerate(params):
             if p.has_penalties:
                 ids = token_ids[i][:history_width]
-                history[i, :len(ids)] = ids
+                history[i, : len(ids)] = ids
                 output_start[i] = num_prompt[i]
             if outputs[i] < p.min_tokens:
                 stops = [t for t in p.stop_token_ids if 0 <= t < vocab_size]
                 suppress[i, stops] = True
     num_lp = [None if p.logprobs is None else min(p.logprobs, max_logprobs) for p in params]
-    return SamplingInputs(variant, floats, ints, history, output_start, suppress,
-                          num_lp[:n])
+    return SamplingInputs(variant, floats, ints, history, output_start, suppress, num_lp[:n])
 
 
 # --- device side ------------------------------------------------------------------------------
@@ -141,7 +157,7 @@ def hash_uniform(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     x = (x ^ _shift_right(x, 30)) * _MIX1
     x = (x ^ _shift_right(x, 27)) * _MIX2
     x = x ^ _shift_right(x, 31)
-    return _shift_right(x, 40).float() * (2.0 ** -24)
+    return _shift_right(x, 40).float() * (2.0**-24)
 
 
 def _race(logits: torch.Tensor, token_ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -160,7 +176,8 @@ def adjust_logits(logits: torch.Tensor, d: dict[str, torch.Tensor]) -> torch.Ten
     seen = torch.zeros(rows, vocab + 1, device=logits.device).scatter(1, history, 1.0)
     seen = seen[:, :vocab] > 0
     counts = torch.zeros(rows, vocab + 1, device=logits.device).scatter_add(
-        1, torch.where(generated, history, vocab), torch.ones_like(history, dtype=torch.float32))
+        1, torch.where(generated, history, vocab), torch.ones_like(history, dtype=torch.float32)
+    )
     counts = counts[:, :vocab]
     rep = repetition[:, None]
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
@@ -181,8 +198,9 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> tor
     return torch.cat(parts, dim=1)
 
 
-def truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-             kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+def truncate(
+    x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, kind: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidates of each row of temperature-scaled logits ``x`` [R, V] after top-k, top-p
     and min-p: (logits [R, K], token ids [R, K]), best first, dropped ones at -inf. ``kind``
     "sort" keeps every token as a candidate; "topk" the best ``CANDIDATES`` (enough for rows
@@ -193,20 +211,23 @@ def truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: t
     else:
         vals, ids = x.topk(min(CANDIDATES, vocab), dim=-1)
     ranks = torch.arange(vals.shape[1], device=x.device)[None, :]
-    vals = vals.masked_fill(ranks >= torch.where(top_k > 0, top_k, vocab)[:, None],
-                            float("-inf"))
+    vals = vals.masked_fill(ranks >= torch.where(top_k > 0, top_k, vocab)[:, None], float("-inf"))
     # Top-p over the top-k distribution (or the whole vocabulary for rows without top-k).
     norm = torch.where(top_k > 0, vals.logsumexp(dim=-1), x.logsumexp(dim=-1))
     probs = (vals - norm[:, None]).exp()
-    drop = ((probs.cumsum(dim=-1) - probs) > top_p[:, None]) & (top_p[:, None] < 1.0) \
-        & (ranks > 0)
+    drop = ((probs.cumsum(dim=-1) - probs) > top_p[:, None]) & (top_p[:, None] < 1.0) & (ranks > 0)
     vals = vals.masked_fill(drop, float("-inf"))
     vals = vals.masked_fill(vals < vals[:, :1] + torch.log(min_p)[:, None], float("-inf"))
     return vals, ids
 
 
-def sample(logits: torch.Tensor, row_ok: torch.Tensor, d: dict[str, torch.Tensor],
-           variant: SampleVariant, num_logprobs: int) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    row_ok: torch.Tensor,
+    d: dict[str, torch.Tensor],
+    variant: SampleVariant,
+    num_logprobs: int,
+) -> torch.Tensor:
     """Sample a row of ``logits`` [R, V]; returns [R, 2] (token, row ok) for ``greedy``, else
     [R, 4 + 2 * num_logprobs] (token, row ok, then ``token_logprobs``). Token ids travel as
     float32, exact below 2**24."""
@@ -230,14 +251,21 @@ def sample(logits: torch.Tensor, row_ok: torch.Tensor, d: dict[str, torch.Tensor
         truncated = (top_k > 0) | (top_p < 1.0)
         token = torch.where(truncated, token, _race(full, every, keys))
     token = torch.where(is_random, token, greedy)
-    return torch.cat([token.float()[:, None], row_ok.float()[:, None],
-                      token_logprobs(raw, token, num_logprobs)], dim=1)
+    return torch.cat(
+        [token.float()[:, None], row_ok.float()[:, None], token_logprobs(raw, token, num_logprobs)],
+        dim=1,
+    )
 
 
 def unpack_logprobs(row: np.ndarray, token: int, k: int) -> TokenLogprobs:
     """TokenLogprobs from a ``token_logprobs`` row, trimmed to k alternatives."""
-    top_ids = row[2:2 + k].astype(np.int64).tolist()
+    top_ids = row[2 : 2 + k].astype(np.int64).tolist()
     width = (len(row) - 2) // 2
-    top_lps = row[2 + width:2 + width + k].tolist()
-    return TokenLogprobs(token_id=token, logprob=float(row[0]), rank=int(row[1]),
-                         top_token_ids=top_ids, top_logprobs=top_lps)
+    top_lps = row[2 + width : 2 + width + k].tolist()
+    return TokenLogprobs(
+        token_id=token,
+        logprob=float(row[0]),
+        rank=int(row[1]),
+        top_token_ids=top_ids,
+        top_logprobs=top_lps,
+    )

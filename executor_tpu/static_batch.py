@@ -71,12 +71,20 @@ class BucketPlan:
     def pairs(self) -> list[tuple[int, int]]:
         """The (token bucket, request bucket) pairs a step can pad to (a step of at most T
         tokens has at most T requests)."""
-        return [(t, r) for t in self.token_buckets for r in self.request_buckets
-                if r <= pick_bucket(min(t, self.max_seqs), self.request_buckets)]
+        return [
+            (t, r)
+            for t in self.token_buckets
+            for r in self.request_buckets
+            if r <= pick_bucket(min(t, self.max_seqs), self.request_buckets)
+        ]
 
 
-def plan_buckets(max_tokens: int, max_seqs: int, token_buckets: list[int] | None = None,
-                 request_buckets: list[int] | None = None) -> BucketPlan:
+def plan_buckets(
+    max_tokens: int,
+    max_seqs: int,
+    token_buckets: list[int] | None = None,
+    request_buckets: list[int] | None = None,
+) -> BucketPlan:
     """Buckets for steps of at most ``max_tokens`` tokens and ``max_seqs`` requests (a step
     never has more requests than tokens)."""
     tokens = fit_buckets(token_buckets or [], max_tokens, MIN_TOKEN_BUCKET)
@@ -119,13 +127,30 @@ class StaticStep:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The arrays to move to the device, by name."""
-        return {name: getattr(self, name) for name in (
-            "input_ids", "positions", "slot_mapping", "token_rows", "block_tables", "seq_lens",
-            "query_start_loc", "num_seqs", "logits_indices", "prompt_lp_targets")}
+        return {
+            name: getattr(self, name)
+            for name in (
+                "input_ids",
+                "positions",
+                "slot_mapping",
+                "token_rows",
+                "block_tables",
+                "seq_lens",
+                "query_start_loc",
+                "num_seqs",
+                "logits_indices",
+                "prompt_lp_targets",
+            )
+        }
 
 
-def build_static_step(rows: list[ScheduledRow], token_bucket: int, request_bucket: int,
-                      max_blocks: int, block_size: int) -> StaticStep:
+def build_static_step(
+    rows: list[ScheduledRow],
+    token_bucket: int,
+    request_bucket: int,
+    max_blocks: int,
+    block_size: int,
+) -> StaticStep:
     """Pad ``rows`` (validated, in batch order) to the given buckets and table width."""
     n = len(rows)
     if n > request_bucket:
@@ -136,8 +161,8 @@ def build_static_step(rows: list[ScheduledRow], token_bucket: int, request_bucke
     if num_tokens > token_bucket:
         raise ValueError(f"{num_tokens} tokens exceed the token bucket {token_bucket}")
     qsl = np.zeros(request_bucket + 1, np.int64)
-    np.cumsum(scheduled, out=qsl[1:n + 1])
-    qsl[n + 1:] = num_tokens
+    np.cumsum(scheduled, out=qsl[1 : n + 1])
+    qsl[n + 1 :] = num_tokens
     req_of_token = np.repeat(np.arange(n), scheduled)
     positions = np.zeros(token_bucket, np.int64)
     positions[:num_tokens] = np.arange(num_tokens) - qsl[req_of_token] + computed[req_of_token]
@@ -146,28 +171,40 @@ def build_static_step(rows: list[ScheduledRow], token_bucket: int, request_bucke
     targets = np.zeros(token_bucket, np.int64)
     for i, r in enumerate(rows):
         c, s = r.num_computed, r.num_scheduled
-        input_ids[qsl[i]:qsl[i + 1]] = r.state.token_ids[c:c + s]
+        input_ids[qsl[i] : qsl[i + 1]] = r.state.token_ids[c : c + s]
         nb = -(-(c + s) // block_size)
         if nb > max_blocks:
-            raise ValueError(f"request {r.state.request_id} needs {nb} blocks; the block table "
-                             f"holds {max_blocks}")
+            raise ValueError(
+                f"request {r.state.request_id} needs {nb} blocks; the block table "
+                f"holds {max_blocks}"
+            )
         tables[i, :nb] = r.state.block_ids[:nb]
         if r.num_prompt_logprobs:
-            targets[qsl[i]:qsl[i] + r.num_prompt_logprobs] = \
-                r.state.token_ids[c + 1:c + 1 + r.num_prompt_logprobs]
+            targets[qsl[i] : qsl[i] + r.num_prompt_logprobs] = r.state.token_ids[
+                c + 1 : c + 1 + r.num_prompt_logprobs
+            ]
     pos = positions[:num_tokens]
     slots = np.zeros(token_bucket, np.int64)
-    slots[:num_tokens] = tables[req_of_token, pos // block_size].astype(np.int64) * block_size \
-        + pos % block_size
+    slots[:num_tokens] = (
+        tables[req_of_token, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    )
     token_rows = np.full(token_bucket, request_bucket, np.int64)
     token_rows[:num_tokens] = req_of_token
     seq_lens = np.zeros(request_bucket, np.int32)
     seq_lens[:n] = computed + scheduled
     logits_indices = np.zeros(request_bucket, np.int64)
-    logits_indices[:n] = qsl[1:n + 1] - 1
-    return StaticStep(rows=rows, num_tokens=num_tokens, input_ids=input_ids,
-                      positions=positions, slot_mapping=slots, token_rows=token_rows,
-                      block_tables=tables, seq_lens=seq_lens,
-                      query_start_loc=qsl.astype(np.int32),
-                      num_seqs=np.array([n], np.int32), logits_indices=logits_indices,
-                      prompt_lp_targets=targets)
+    logits_indices[:n] = qsl[1 : n + 1] - 1
+    return StaticStep(
+        rows=rows,
+        num_tokens=num_tokens,
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slots,
+        token_rows=token_rows,
+        block_tables=tables,
+        seq_lens=seq_lens,
+        query_start_loc=qsl.astype(np.int32),
+        num_seqs=np.array([n], np.int32),
+        logits_indices=logits_indices,
+        prompt_lp_targets=targets,
+    )

@@ -29,8 +29,7 @@ def _init_compile_cache(path: str) -> None:
     import torch_xla.runtime as xr
 
     if torch_xla._XLAC._xla_computation_cache_is_initialized():
-        log.warning("XLA computation cache already initialized; persistent cache %s not used",
-                    path)
+        log.warning("XLA computation cache already initialized; persistent cache %s not used", path)
         return
     xr.initialize_cache(path, readonly=False)
     log.info("persistent XLA compilation cache: %s", path)
@@ -71,16 +70,23 @@ class TPUWorker(WorkerBase):
             self.device_name = "XLA:CPU (PJRT_DEVICE=CPU)"
             if self.config.max_model_len == 0:
                 self.config.max_model_len = DEFAULT_CPU_MAX_MODEL_LEN
-                log.info("XLA:CPU: max_model_len %d (set --max-model-len to change it)",
-                         DEFAULT_CPU_MAX_MODEL_LEN)
+                log.info(
+                    "XLA:CPU: max_model_len %d (set --max-model-len to change it)",
+                    DEFAULT_CPU_MAX_MODEL_LEN,
+                )
         if self.config.num_threads > 0:
             torch.set_num_threads(self.config.num_threads)
         self.device = device  # the bound XLA device
-        geometry = load_model_geometry(self.config.model, self.config.max_model_len,
-                                       self.config.served_model_name)
+        geometry = load_model_geometry(
+            self.config.model, self.config.max_model_len, self.config.served_model_name
+        )
         self.model_runner = TPUModelRunner(self.config, geometry, self.options, device)
-        log.info("bound %s; attention %s, KV layout %s", self.device_name,
-                 self.model_runner.attention_backend, self.model_runner.layout)
+        log.info(
+            "bound %s; attention %s, KV layout %s",
+            self.device_name,
+            self.model_runner.attention_backend,
+            self.model_runner.layout,
+        )
 
     def determine_available_memory(self) -> MemoryProfile:
         """On a TPU: total * gpu_memory_utilization (the device share) minus the weights and
@@ -94,17 +100,26 @@ class TPUWorker(WorkerBase):
         assert isinstance(runner, TPUModelRunner) and runner.get_model() is not None
         if not is_tpu(self.device):
             budget = self.config.kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES
-            return MemoryProfile(available_kv_bytes=budget, weights_bytes=runner.weights_bytes,
-                                 peak_activation_bytes=0)
+            return MemoryProfile(
+                available_kv_bytes=budget,
+                weights_bytes=runner.weights_bytes,
+                peak_activation_bytes=0,
+            )
         peak = runner.profile_run()
         limit = int(xm.get_memory_info(self.device)["bytes_limit"])
-        available = int(limit * self.config.gpu_memory_utilization) - runner.weights_bytes \
-            - peak
-        log.info("KV budget %.2f GiB (HBM %.2f GiB, weights %.2f GiB, peak activations "
-                 "%.2f GiB)", available / 2**30, limit / 2**30, runner.weights_bytes / 2**30,
-                 peak / 2**30)
-        return MemoryProfile(available_kv_bytes=max(0, available),
-                             weights_bytes=runner.weights_bytes, peak_activation_bytes=peak)
+        available = int(limit * self.config.gpu_memory_utilization) - runner.weights_bytes - peak
+        log.info(
+            "KV budget %.2f GiB (HBM %.2f GiB, weights %.2f GiB, peak activations %.2f GiB)",
+            available / 2**30,
+            limit / 2**30,
+            runner.weights_bytes / 2**30,
+            peak / 2**30,
+        )
+        return MemoryProfile(
+            available_kv_bytes=max(0, available),
+            weights_bytes=runner.weights_bytes,
+            peak_activation_bytes=peak,
+        )
 
     def compile_or_warm_up_model(self) -> int:
         """Precompile every shape (unless enforce_eager) without autograd."""
@@ -128,6 +143,5 @@ class TPUWorker(WorkerBase):
             import torch_xla.core.xla_model as xm
 
             info = xm.get_memory_info(runner.device)
-            usage.update(used=int(info.get("bytes_used", 0)),
-                         total=int(info.get("bytes_limit", 0)))
+            usage.update(used=int(info.get("bytes_used", 0)), total=int(info.get("bytes_limit", 0)))
         return usage

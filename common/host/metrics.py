@@ -25,7 +25,21 @@ if TYPE_CHECKING:
     from common.wire.step_types import StepInput
 
 _STEP_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
 )
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -55,9 +69,11 @@ class DeviceMemoryCollector(Collector):
         self.worker: MeteredDevice | None = None  # the process's worker, once bound
 
     def collect(self):
-        family = GaugeMetricFamily("tandem:executor_device_memory_bytes",
-                                   "Device memory of the executor by kind",
-                                   labels=_LABELS + ["kind"])
+        family = GaugeMetricFamily(
+            "tandem:executor_device_memory_bytes",
+            "Device memory of the executor by kind",
+            labels=_LABELS + ["kind"],
+        )
         worker = self.worker
         if worker is not None:
             labels = [worker.device_kind, worker.device_name]
@@ -77,14 +93,23 @@ class ExecutorMetrics:
         with _lock:
             if not _families:
                 _families["seconds"] = Histogram(
-                    "tandem:executor_step_seconds", "Time the executor spent on a step",
-                    _LABELS, buckets=_STEP_BUCKETS)
+                    "tandem:executor_step_seconds",
+                    "Time the executor spent on a step",
+                    _LABELS,
+                    buckets=_STEP_BUCKETS,
+                )
                 _families["tokens"] = Histogram(
-                    "tandem:executor_step_tokens", "Tokens computed per step", _LABELS,
-                    buckets=_TOKEN_BUCKETS)
+                    "tandem:executor_step_tokens",
+                    "Tokens computed per step",
+                    _LABELS,
+                    buckets=_TOKEN_BUCKETS,
+                )
                 _families["requests"] = Histogram(
-                    "tandem:executor_step_requests", "Requests per step", _LABELS,
-                    buckets=_REQUEST_BUCKETS)
+                    "tandem:executor_step_requests",
+                    "Requests per step",
+                    _LABELS,
+                    buckets=_REQUEST_BUCKETS,
+                )
                 _memory = DeviceMemoryCollector()
                 REGISTRY.register(_memory)
             _memory.worker = worker
@@ -95,8 +120,9 @@ class ExecutorMetrics:
         """Record one executed step."""
         if self._children is None:
             labels = (self.worker.device_kind, self.worker.device_name)
-            self._children = tuple(_families[k].labels(*labels)
-                                   for k in ("seconds", "tokens", "requests"))
+            self._children = tuple(
+                _families[k].labels(*labels) for k in ("seconds", "tokens", "requests")
+            )
         seconds_h, tokens_h, requests_h = self._children
         seconds_h.observe(seconds)
         tokens_h.observe(step.num_scheduled_tokens)

@@ -38,42 +38,69 @@ def build_arg_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=50051, help="gRPC port")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto",
-                   help="auto, cpu, cuda or cuda:N (GPU executor); auto, tpu or cpu (TPU)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto, cpu, cuda or cuda:N (GPU executor); auto, tpu or cpu (TPU)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument(
-        "--kv-cache-bytes", type=int, default=0,
+        "--kv-cache-bytes",
+        type=int,
+        default=0,
         help="KV budget where memory cannot be profiled (CPU); 0 = 2 GiB",
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-model-len", type=int, default=0, help="0 = the model's own")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no graph capture / compile")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy: random weights of the checkpoint's shape (config.json alone; "
-                        "for benchmarks)")
     p.add_argument(
-        "--no-chunked-prefill", action="store_true",
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights of the checkpoint's shape (config.json alone; for benchmarks)",
+    )
+    p.add_argument(
+        "--no-chunked-prefill",
+        action="store_true",
         help="report no chunked-prefill support (whole prompts only)",
     )
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--num-threads", type=int, default=0, help="CPU threads; 0 = default")
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="serve Prometheus metrics of this process over HTTP (0 = off)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics of this process over HTTP (0 = off)",
+    )
     p.add_argument("--log-level", default="INFO")
     sec = p.add_argument_group("security: TLS, mTLS and a shared token")
     sec.add_argument("--tls-cert", default="", help="PEM server certificate: serve gRPC over TLS")
     sec.add_argument("--tls-key", default="", help="PEM key of --tls-cert")
-    sec.add_argument("--tls-client-ca", default="",
-                     help="PEM CA of client certificates: require them (mutual TLS)")
-    sec.add_argument("--auth-token-file", default="",
-                     help="file holding the token every RPC but health checks must carry")
-    sec.add_argument("--health-port", type=int, default=0,
-                     help="also serve grpc.health.v1 alone, in plaintext, on this port (for "
-                          "probes that cannot speak TLS; 0 = off)")
-    p.add_argument("--shutdown-drain", type=float, default=10.0,
-                   help="after SIGTERM: seconds to report NOT_SERVING while the open step "
-                        "stream goes on (ends early once the controller closes it)")
+    sec.add_argument(
+        "--tls-client-ca",
+        default="",
+        help="PEM CA of client certificates: require them (mutual TLS)",
+    )
+    sec.add_argument(
+        "--auth-token-file",
+        default="",
+        help="file holding the token every RPC but health checks must carry",
+    )
+    sec.add_argument(
+        "--health-port",
+        type=int,
+        default=0,
+        help="also serve grpc.health.v1 alone, in plaintext, on this port (for "
+        "probes that cannot speak TLS; 0 = off)",
+    )
+    p.add_argument(
+        "--shutdown-drain",
+        type=float,
+        default=10.0,
+        help="after SIGTERM: seconds to report NOT_SERVING while the open step "
+        "stream goes on (ends early once the controller closes it)",
+    )
     return p
 
 
@@ -161,10 +188,17 @@ def start_server(worker: WorkerBase, args, port: int) -> ExecutorServer:
     else:
         bound = server.add_insecure_port(address)
     server.start()
-    log.info("listening on %s:%d (%s%s)", args.host, bound,
-             "mTLS" if getattr(args, "tls_client_ca", "") else
-             "TLS" if getattr(args, "tls_cert", "") else "plaintext",
-             ", token" if interceptors else "")
+    log.info(
+        "listening on %s:%d (%s%s)",
+        args.host,
+        bound,
+        "mTLS"
+        if getattr(args, "tls_client_ca", "")
+        else "TLS"
+        if getattr(args, "tls_cert", "")
+        else "plaintext",
+        ", token" if interceptors else "",
+    )
     return ExecutorServer(server, health_servicer, servicer, bound)
 
 
@@ -186,8 +220,11 @@ def shut_down(servers: list[ExecutorServer], drain: float) -> None:
     """Report NOT_SERVING, let open step streams go on for up to ``drain`` seconds (ending
     early once their controllers close them), then stop the servers."""
     drain = max(drain, 0.0)
-    log.info("shutting down: NOT_SERVING; draining %d step streams for up to %.0fs",
-             sum(s.servicer.streams_open for s in servers), drain)
+    log.info(
+        "shutting down: NOT_SERVING; draining %d step streams for up to %.0fs",
+        sum(s.servicer.streams_open for s in servers),
+        drain,
+    )
     for s in servers:
         s.health.enter_graceful_shutdown()
     deadline = time.monotonic() + drain

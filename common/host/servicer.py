@@ -57,7 +57,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             info = self.worker.describe()
         log.info(
             "session %d: InitDevice from %s (%s %s, incarnation %s)",
-            self._session, context.peer(), info.device_kind, info.device_name,
+            self._session,
+            context.peer(),
+            info.device_kind,
+            info.device_name,
             info.incarnation_id[:8],
         )
         return convert.device_info_to_pb(info)
@@ -75,9 +78,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         with self._lock:
             self._ensure_loaded()
             seconds, graphs = self.worker.initialize_cache(request.num_blocks)
-        log.info(
-            "cache: %d blocks; warm-up %.2fs, %d graphs", request.num_blocks, seconds, graphs
-        )
+        log.info("cache: %d blocks; warm-up %.2fs, %d graphs", request.num_blocks, seconds, graphs)
         return pb.InitializeCacheResponse(warmup_seconds=seconds, num_compiled_graphs=graphs)
 
     @property
@@ -104,8 +105,11 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             self._stream += 1
             session, stream = self._session, self._stream
             if self._streams_open:
-                log.warning("session %d: a new step stream from %s replaces the open one",
-                            session, context.peer())
+                log.warning(
+                    "session %d: a new step stream from %s replaces the open one",
+                    session,
+                    context.peer(),
+                )
             self._streams_open += 1
         log.info("session %d: step stream %d opened by %s", session, stream, context.peer())
         try:
@@ -142,8 +146,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 output = self.worker.execute_model(step)
             except Exception as exc:  # the whole step failed: the controller retries
                 log.exception("step %d failed", step.step_id)
-                raise _StepAborted(grpc.StatusCode.INTERNAL,
-                                   f"step {step.step_id} failed: {exc}") from exc
+                raise _StepAborted(
+                    grpc.StatusCode.INTERNAL, f"step {step.step_id} failed: {exc}"
+                ) from exc
         if not output.device_seconds:
             output.device_seconds = time.perf_counter() - started
         return output

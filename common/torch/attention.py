@@ -55,8 +55,9 @@ class AttentionMetadata:
         return self.num_decodes
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Store the new tokens' keys/values ([T, kv_heads, head_dim]) at their cache slots."""
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
@@ -69,12 +70,14 @@ def _gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Te
     [2, (R,) n_blocks * block_size, kv_heads, head_dim]."""
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
     gathered = kv_cache.index_select(1, block_ids.reshape(-1))
-    return gathered.view(2, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, kv_heads,
-                         head_dim)
+    return gathered.view(
+        2, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, kv_heads, head_dim
+    )
 
 
-def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float) -> torch.Tensor:
+def _decode_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """Attention of single-token requests, batched: query [N, heads, d] -> [N, heads, d]."""
     n, num_heads, head_dim = query.shape
     kv_heads = kv_cache.shape[3]
@@ -101,9 +104,15 @@ def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attenti
     return out.reshape(n, num_heads, head_dim)
 
 
-def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       kv_cache: torch.Tensor | None, meta: AttentionMetadata, req: int,
-                       scale: float) -> torch.Tensor:
+def _prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor | None,
+    meta: AttentionMetadata,
+    req: int,
+    scale: float,
+) -> torch.Tensor:
     """Causal attention of one request's query chunk ([n, heads, d]) to its whole context."""
     n, num_heads, head_dim = query.shape
     seq_len = meta.seq_lens_host[req]
@@ -113,8 +122,9 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         # The context is exactly the new tokens: no need to read the cache back.
         keys = key.transpose(0, 1).unsqueeze(0)
         values = value.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype),
-                                             is_causal=True, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q, keys.to(q.dtype), values.to(q.dtype), is_causal=True, scale=scale, enable_gqa=True
+        )
     else:
         bs = meta.block_size
         num_ctx_blocks = (seq_len + bs - 1) // bs
@@ -126,8 +136,9 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
             # Query i sits at position num_cached + i and sees keys 0..num_cached + i.
             mask = torch.full((n, seq_len), float("-inf"), dtype=q.dtype, device=q.device)
             meta.derived[key] = mask.triu_(num_cached + 1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.derived[key],
-                                             scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=meta.derived[key], scale=scale, enable_gqa=True
+        )
     return out[0].transpose(0, 1)  # [n, heads, d]
 
 
@@ -145,15 +156,24 @@ def paged_attention_with(decode: DecodeAttention):
     """
     stores_kv = getattr(decode, "stores_kv", False)
 
-    def backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor | None, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+    def backend(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         num_decodes = meta.num_decodes if kv_cache is not None else 0
         if kv_cache is not None:
             first_written = num_decodes if stores_kv else 0
             if first_written < key.shape[0]:
-                write_kv(kv_cache, key[first_written:], value[first_written:],
-                         meta.slot_mapping[first_written:])
+                write_kv(
+                    kv_cache,
+                    key[first_written:],
+                    value[first_written:],
+                    meta.slot_mapping[first_written:],
+                )
         extra = {}
         if stores_kv and num_decodes:
             extra = {"key": key[:num_decodes], "value": value[:num_decodes]}
@@ -165,8 +185,9 @@ def paged_attention_with(decode: DecodeAttention):
         qsl = meta.query_start_loc_host
         for req in range(num_decodes, meta.num_requests):
             start, end = qsl[req], qsl[req + 1]
-            out[start:end] = _prefill_attention(query[start:end], key[start:end],
-                                                value[start:end], kv_cache, meta, req, scale)
+            out[start:end] = _prefill_attention(
+                query[start:end], key[start:end], value[start:end], kv_cache, meta, req, scale
+            )
         return out
 
     return backend

@@ -44,7 +44,7 @@ class RequestState:
     @property
     def output_token_ids(self) -> list[int]:
         """Generated tokens so far (a copy)."""
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass
@@ -83,8 +83,9 @@ class StepBatch:
 class InputBatch:
     """Per-request state of one executor session and the builder of step inputs."""
 
-    def __init__(self, block_size: int, vocab_size: int, max_model_len: int,
-                 device: torch.device | str):
+    def __init__(
+        self, block_size: int, vocab_size: int, max_model_len: int, device: torch.device | str
+    ):
         self.block_size = block_size  # tokens per KV block
         self.vocab_size = vocab_size  # valid token ids are [0, vocab_size)
         self.max_model_len = max_model_len  # longest sequence accepted
@@ -122,8 +123,7 @@ class InputBatch:
             return f"needs {needed} KV blocks, has {len(state.block_ids)}"
         return ""
 
-    def _apply(self, step: StepInput) -> tuple[list[tuple[RequestState, int, int]],
-                                               dict[str, str]]:
+    def _apply(self, step: StepInput) -> tuple[list[tuple[RequestState, int, int]], dict[str, str]]:
         """Update states from the diff; return the runnable (state, computed, scheduled)."""
         for rid in step.finished_request_ids:
             self.requests.pop(rid, None)
@@ -131,8 +131,9 @@ class InputBatch:
         errors: dict[str, str] = {}
         for new in step.new_requests:
             tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
-            state = RequestState(new.request_id, tokens, len(new.prompt_token_ids),
-                                 list(new.block_ids), new.sampling)
+            state = RequestState(
+                new.request_id, tokens, len(new.prompt_token_ids), list(new.block_ids), new.sampling
+            )
             self.requests.pop(new.request_id, None)
             bad = ""
             if not new.prompt_token_ids:
@@ -172,8 +173,9 @@ class InputBatch:
             end = computed + scheduled
             lp_end = min(end, state.num_prompt_tokens - 1)
             num_lp = max(0, lp_end - computed) if state.sampling.prompt_logprobs is not None else 0
-            rows.append(ScheduledRow(state, computed, scheduled, end == len(state.token_ids),
-                                     num_lp))
+            rows.append(
+                ScheduledRow(state, computed, scheduled, end == len(state.token_ids), num_lp)
+            )
         return rows, errors
 
     def prepare(self, step: StepInput) -> StepBatch:
@@ -194,14 +196,15 @@ class InputBatch:
         np.cumsum(scheduled, out=qsl[1:])
         num_tokens = int(qsl[-1])
         req_of_token = np.repeat(np.arange(num_reqs), scheduled)
-        positions = np.arange(num_tokens, dtype=np.int64) - qsl[req_of_token] + computed[
-            req_of_token]
+        positions = (
+            np.arange(num_tokens, dtype=np.int64) - qsl[req_of_token] + computed[req_of_token]
+        )
         input_ids = np.empty(num_tokens, np.int64)
         max_blocks = int(max((-(-int(s) // bs) for s in seq_lens), default=1)) or 1
         tables = np.zeros((num_reqs, max_blocks), np.int64)
         for i, r in enumerate(rows):
             c, n = r.num_computed, r.num_scheduled
-            input_ids[qsl[i]:qsl[i + 1]] = r.state.token_ids[c:c + n]
+            input_ids[qsl[i] : qsl[i + 1]] = r.state.token_ids[c : c + n]
             nb = -(-(c + n) // bs)
             tables[i, :nb] = r.state.block_ids[:nb]
         slots = tables[req_of_token, positions // bs] * bs + positions % bs
@@ -213,24 +216,50 @@ class InputBatch:
             r = rows[i]
             lp_idx.append(np.arange(r.num_prompt_logprobs, dtype=np.int64) + qsl[i])
             start = r.num_computed + 1
-            lp_tgt.append(np.asarray(r.state.token_ids[start:start + r.num_prompt_logprobs],
-                                     np.int64))
-        parts = [input_ids, positions, req_of_token.astype(np.int64), slots, qsl, seq_lens,
-                 tables.reshape(-1), np.asarray(logits_idx, np.int64)]
-        parts += [np.concatenate(lp_idx) if lp_idx else np.zeros(0, np.int64),
-                  np.concatenate(lp_tgt) if lp_tgt else np.zeros(0, np.int64)]
+            lp_tgt.append(
+                np.asarray(r.state.token_ids[start : start + r.num_prompt_logprobs], np.int64)
+            )
+        parts = [
+            input_ids,
+            positions,
+            req_of_token.astype(np.int64),
+            slots,
+            qsl,
+            seq_lens,
+            tables.reshape(-1),
+            np.asarray(logits_idx, np.int64),
+        ]
+        parts += [
+            np.concatenate(lp_idx) if lp_idx else np.zeros(0, np.int64),
+            np.concatenate(lp_tgt) if lp_tgt else np.zeros(0, np.int64),
+        ]
         dev = torch.from_numpy(np.concatenate(parts)).to(self.device)  # the one host->device copy
         ids_t, pos_t, rows_t, slot_t, qsl_t, sl_t, tab_t, li_t, lpi_t, lpt_t = dev.split(
-            [len(p) for p in parts])
+            [len(p) for p in parts]
+        )
         num_decodes = 0  # the leading run of single-token rows
         while num_decodes < num_reqs and rows[num_decodes].num_scheduled == 1:
             num_decodes += 1
         attn = AttentionMetadata(
-            slot_mapping=slot_t, query_start_loc=qsl_t, seq_lens=sl_t,
-            block_tables=tab_t.view(num_reqs, max_blocks), block_size=bs,
+            slot_mapping=slot_t,
+            query_start_loc=qsl_t,
+            seq_lens=sl_t,
+            block_tables=tab_t.view(num_reqs, max_blocks),
+            block_size=bs,
             num_decodes=num_decodes,
             max_decode_seq_len=int(seq_lens[:num_decodes].max()) if num_decodes else 0,
-            query_start_loc_host=qsl.tolist(), seq_lens_host=seq_lens.tolist())
-        return StepBatch(rows=rows, input_ids=ids_t, positions=pos_t, token_rows=rows_t, attn=attn,
-                         sample_rows=sample_rows, logits_indices=li_t, prompt_lp_rows=lp_rows,
-                         prompt_lp_indices=lpi_t, prompt_lp_targets=lpt_t)
+            query_start_loc_host=qsl.tolist(),
+            seq_lens_host=seq_lens.tolist(),
+        )
+        return StepBatch(
+            rows=rows,
+            input_ids=ids_t,
+            positions=pos_t,
+            token_rows=rows_t,
+            attn=attn,
+            sample_rows=sample_rows,
+            logits_indices=li_t,
+            prompt_lp_rows=lp_rows,
+            prompt_lp_indices=lpi_t,
+            prompt_lp_targets=lpt_t,
+        )

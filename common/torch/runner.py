@@ -40,8 +40,15 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 #: Worst-case sampling for dummy runs: random with every filter, penalties and logprobs.
-DUMMY_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, logprobs=5,
-                                presence_penalty=0.1, repetition_penalty=1.1)
+DUMMY_SAMPLING = SamplingParams(
+    temperature=1.0,
+    top_p=0.9,
+    top_k=50,
+    min_p=0.01,
+    logprobs=5,
+    presence_penalty=0.1,
+    repetition_penalty=1.1,
+)
 
 
 @dataclass
@@ -64,14 +71,15 @@ def prompt_logprob_count(row: ScheduledRow, max_logprobs: int) -> int:
     return min(row.state.sampling.prompt_logprobs or 0, max_logprobs)
 
 
-def split_prompt_logprobs(rows: list[ScheduledRow], row_ids: list[int],
-                          flat: list[TokenLogprobs | None]) -> dict[int, list[TokenLogprobs]]:
+def split_prompt_logprobs(
+    rows: list[ScheduledRow], row_ids: list[int], flat: list[TokenLogprobs | None]
+) -> dict[int, list[TokenLogprobs]]:
     """Split prompt logprobs laid out row after row (``row_ids`` in order, each
     ``num_prompt_logprobs`` positions) into per-row lists."""
     result, pos = {}, 0
     for i in row_ids:
         n = rows[i].num_prompt_logprobs
-        result[i] = [lp for lp in flat[pos:pos + n] if lp is not None]
+        result[i] = [lp for lp in flat[pos : pos + n] if lp is not None]
         pos += n
     return result
 
@@ -86,15 +94,21 @@ class TorchModelRunner(ModelRunnerBase):
     #: Registered name of the attention implementation (see common.torch.attention).
     attention_backend = "torch"
 
-    def __init__(self, config: ExecutorConfig, geometry: ModelGeometry, device: torch.device,
-                 batch_device: torch.device | str | None = None):
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        geometry: ModelGeometry,
+        device: torch.device,
+        batch_device: torch.device | str | None = None,
+    ):
         super().__init__(config, geometry)
         self.device = device  # where weights and the KV cache live
         self.dtype = DTYPES[config.dtype]  # weights / activations / KV dtype
         self.kv_caches: list[torch.Tensor] = []  # one per layer, shape from kv_cache_shape()
         # Step tensors built by InputBatch.build go to batch_device (the device by default).
-        self.input_batch = InputBatch(config.block_size, geometry.vocab_size,
-                                      geometry.max_model_len, batch_device or device)
+        self.input_batch = InputBatch(
+            config.block_size, geometry.vocab_size, geometry.max_model_len, batch_device or device
+        )
         self.weights_bytes = 0  # set by load_model()
 
     # --- hooks ----------------------------------------------------------------------------
@@ -119,8 +133,13 @@ class TorchModelRunner(ModelRunnerBase):
 
     def load_model(self) -> None:
         """Build the model, load its weights, place it on the device."""
-        model = build_model(self.config.model, self.dtype, self.load_device(),
-                            self.geometry.max_model_len, self.config.load_format)
+        model = build_model(
+            self.config.model,
+            self.dtype,
+            self.load_device(),
+            self.geometry.max_model_len,
+            self.config.load_format,
+        )
         model.set_attention_backend(self.attention_backend)
         self.model = self.place_model(model)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -130,8 +149,10 @@ class TorchModelRunner(ModelRunnerBase):
         self.kv_caches = []
         self.model.bind_kv_cache(None)
         shape = self.kv_cache_shape(num_blocks)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(self.geometry.num_layers)]
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.geometry.num_layers)
+        ]
         self.model.bind_kv_cache(self.kv_caches)
         self.num_blocks = num_blocks
         # The controller may have lowered max_model_len since the batch was created.
@@ -160,17 +181,20 @@ class TorchModelRunner(ModelRunnerBase):
                     outputs[rid] = RequestStepOutput(rid, error=f"step failed: {exc!r}")
                     self.input_batch.remove(rid)
         order = [r.request_id for r in step.new_requests] + [
-            r.request_id for r in step.cached_requests]
+            r.request_id for r in step.cached_requests
+        ]
         ordered = [outputs.pop(rid) for rid in order if rid in outputs]
-        return StepOutput(step_id=step.step_id, outputs=ordered,
-                          device_seconds=time.perf_counter() - started)
+        return StepOutput(
+            step_id=step.step_id, outputs=ordered, device_seconds=time.perf_counter() - started
+        )
 
     @abc.abstractmethod
     def run_rows(self, rows: list[ScheduledRow]) -> RowResults:
         """Forward, logits, sampling and logprobs of validated rows; host results."""
 
-    def _assemble(self, rows: list[ScheduledRow],
-                  results: RowResults) -> dict[str, RequestStepOutput]:
+    def _assemble(
+        self, rows: list[ScheduledRow], results: RowResults
+    ) -> dict[str, RequestStepOutput]:
         outputs: dict[str, RequestStepOutput] = {}
         for i, row in enumerate(rows):
             rid = row.state.request_id
@@ -189,8 +213,13 @@ class TorchModelRunner(ModelRunnerBase):
 
     # --- fabricated work (profiling, warm-up) ---------------------------------------------
 
-    def dummy_rows(self, num_tokens: int, num_reqs: int, computed: int = 0,
-                   sampling: SamplingParams = DUMMY_SAMPLING) -> list[ScheduledRow]:
+    def dummy_rows(
+        self,
+        num_tokens: int,
+        num_reqs: int,
+        computed: int = 0,
+        sampling: SamplingParams = DUMMY_SAMPLING,
+    ) -> list[ScheduledRow]:
         """``num_reqs`` fabricated rows sharing ``num_tokens`` tokens, each after ``computed``
         cached tokens, every block the reserved null block 0. No state is registered."""
         bs = self.config.block_size
@@ -198,7 +227,12 @@ class TorchModelRunner(ModelRunnerBase):
         for i in range(num_reqs):
             n = num_tokens // num_reqs + (1 if i < num_tokens % num_reqs else 0)
             length = computed + n
-            state = RequestState(f"dummy-{i}", [i % self.geometry.vocab_size] * length, length,
-                                 [0] * -(-length // bs), sampling)
+            state = RequestState(
+                f"dummy-{i}",
+                [i % self.geometry.vocab_size] * length,
+                length,
+                [0] * -(-length // bs),
+                sampling,
+            )
             rows.append(ScheduledRow(state, computed, n, True, 0))
         return rows

@@ -90,12 +90,23 @@ class LogprobsTensors:
     def to_token_logprobs(self, num_top: Sequence[int | None]) -> list[TokenLogprobs | None]:
         """Host objects, each trimmed to its row's ``num_top`` (None rows give None)."""
         ids, lps = self.token_ids.tolist(), self.logprobs.tolist()
-        ranks, top_ids, top_lps = self.ranks.tolist(), self.top_ids.tolist(), \
-            self.top_logprobs.tolist()
-        return [None if k is None else
-                TokenLogprobs(token_id=ids[i], logprob=lps[i], rank=ranks[i],
-                              top_token_ids=top_ids[i][:k], top_logprobs=top_lps[i][:k])
-                for i, k in enumerate(num_top)]
+        ranks, top_ids, top_lps = (
+            self.ranks.tolist(),
+            self.top_ids.tolist(),
+            self.top_logprobs.tolist(),
+        )
+        return [
+            None
+            if k is None
+            else TokenLogprobs(
+                token_id=ids[i],
+                logprob=lps[i],
+                rank=ranks[i],
+                top_token_ids=top_ids[i][:k],
+                top_logprobs=top_lps[i][:k],
+            )
+            for i, k in enumerate(num_top)
+        ]
 
 
 @dataclass
@@ -108,7 +119,7 @@ class SamplerOutput:
 
 def seed_key(seed: int, position: int) -> int:
     """Generator seed of a (request seed, sequence position) pair (a 63-bit mix)."""
-    x = ((seed & (2**64 - 1)) * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 1)
+    x = (seed & (2**64 - 1)) * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 1
     x &= 2**64 - 1
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
@@ -123,8 +134,13 @@ def _pad(rows: list[Sequence[int]], pad: int) -> list[list[int]]:
     return [list(r) + [pad] * (width - len(r)) for r in rows]
 
 
-def _random_group(rows: list[int], params: Sequence[SamplingParams], positions: Sequence[int],
-                  vocab_size: int, device: torch.device | str) -> RandomGroup:
+def _random_group(
+    rows: list[int],
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    vocab_size: int,
+    device: torch.device | str,
+) -> RandomGroup:
     ps = [params[i] for i in rows]
     ks = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in ps]
     tops = [min(max(p.top_p, 0.0), 1.0) for p in ps]
@@ -134,19 +150,28 @@ def _random_group(rows: list[int], params: Sequence[SamplingParams], positions: 
 
     seeded = [j for j, p in enumerate(ps) if p.seed is not None]
     return RandomGroup(
-        rows=t(rows, torch.int64), temperature=t([p.temperature for p in ps], torch.float32),
+        rows=t(rows, torch.int64),
+        temperature=t([p.temperature for p in ps], torch.float32),
         top_k=t(ks, torch.int64) if any(ks) else None,
         top_p=t(tops, torch.float32) if any(p < 1.0 for p in tops) else None,
         min_p=t([p.min_p for p in ps], torch.float32) if any(p.min_p > 0 for p in ps) else None,
-        max_top_k=max(ks), rows_without_k=0 in ks,
-        seeded=seeded, seed_keys=[seed_key(ps[j].seed, positions[rows[j]]) for j in seeded])
+        max_top_k=max(ks),
+        rows_without_k=0 in ks,
+        seeded=seeded,
+        seed_keys=[seed_key(ps[j].seed, positions[rows[j]]) for j in seeded],
+    )
 
 
-def build_sampling_metadata(params: Sequence[SamplingParams], positions: Sequence[int],
-                            prompt_ids: Sequence[Sequence[int]],
-                            output_ids: Sequence[Sequence[int]], vocab_size: int,
-                            device: torch.device | str, max_logprobs: int = 20,
-                            num_outputs: Sequence[int] | None = None) -> SamplingMetadata:
+def build_sampling_metadata(
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    device: torch.device | str,
+    max_logprobs: int = 20,
+    num_outputs: Sequence[int] | None = None,
+) -> SamplingMetadata:
     """Host-side construction of a step's sampling tensors.
 
     ``positions[i]`` is the sequence index the sampled token of row i will occupy (it keys the
@@ -155,8 +180,11 @@ def build_sampling_metadata(params: Sequence[SamplingParams], positions: Sequenc
     """
     rows = range(len(params))
     greedy = [i for i in rows if params[i].greedy]
-    truncated = {i for i in rows if not params[i].greedy
-                 and (0 < params[i].top_k < vocab_size or params[i].top_p < 1.0)}
+    truncated = {
+        i
+        for i in rows
+        if not params[i].greedy and (0 < params[i].top_k < vocab_size or params[i].top_p < 1.0)
+    }
     full = [i for i in rows if not params[i].greedy and i not in truncated]
     pen = [i for i in rows if params[i].has_penalties]
     num_lp = [None if p.logprobs is None else min(p.logprobs, max_logprobs) for p in params]
@@ -164,13 +192,28 @@ def build_sampling_metadata(params: Sequence[SamplingParams], positions: Sequenc
     meta = SamplingMetadata(
         num_rows=len(params),
         greedy_rows=torch.tensor(greedy, dtype=torch.int64, device=device) if greedy else None,
-        random_groups=[_random_group(g, params, positions, vocab_size, device)
-                       for g in (full, sorted(truncated)) if g],
-        penalty_rows=None, presence=None, frequency=None, repetition=None, output_tokens=None,
-        seen_tokens=None, num_logprobs=num_lp, max_num_logprobs=max(asked) if asked else -1)
+        random_groups=[
+            _random_group(g, params, positions, vocab_size, device)
+            for g in (full, sorted(truncated))
+            if g
+        ],
+        penalty_rows=None,
+        presence=None,
+        frequency=None,
+        repetition=None,
+        output_tokens=None,
+        seen_tokens=None,
+        num_logprobs=num_lp,
+        max_num_logprobs=max(asked) if asked else -1,
+    )
     if num_outputs is not None:
-        pairs = [(i, t) for i in rows if num_outputs[i] < params[i].min_tokens
-                 for t in params[i].stop_token_ids if 0 <= t < vocab_size]
+        pairs = [
+            (i, t)
+            for i in rows
+            if num_outputs[i] < params[i].min_tokens
+            for t in params[i].stop_token_ids
+            if 0 <= t < vocab_size
+        ]
         if pairs:
             meta.suppress_rows = torch.tensor([r for r, _ in pairs], device=device)
             meta.suppress_ids = torch.tensor([t for _, t in pairs], device=device)
@@ -201,12 +244,14 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> L
     token_lp = lp.gather(1, token_ids[:, None])[:, 0]
     ranks = (lp > token_lp[:, None]).sum(dim=-1) + 1
     top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], token_ids[:, None][:, :0])
-    return LogprobsTensors(token_ids=token_ids, logprobs=token_lp, ranks=ranks,
-                           top_ids=top_ids, top_logprobs=top_lp)
+    return LogprobsTensors(
+        token_ids=token_ids, logprobs=token_lp, ranks=ranks, top_ids=top_ids, top_logprobs=top_lp
+    )
 
 
-def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor,
-                            k: int) -> LogprobsTensors:
+def compute_prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: torch.Tensor, k: int
+) -> LogprobsTensors:
     """Prompt logprobs: row i holds the logits at prompt position i and ``next_token_ids[i]``
     is the prompt token at i+1; returns its logprob, rank and the top-k there."""
     return compute_logprobs(logits, next_token_ids, k)
@@ -231,8 +276,13 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     return logits.index_copy(0, meta.penalty_rows, sub)
 
 
-def truncate(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-             max_top_k: int, rows_without_k: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def truncate(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    max_top_k: int,
+    rows_without_k: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidates of each row after top-k then top-p: (logits [n, K], token ids [n, K]),
     best first, dropped candidates at -inf. top_k 0 / top_p 1 mean off for that row;
     ``rows_without_k`` says some row has no top_k (host flag)."""
@@ -242,8 +292,9 @@ def truncate(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tens
         vals, ids = logits.topk(k, dim=-1)
         if top_k is not None:
             limit = torch.where(top_k > 0, top_k, vocab)[:, None]
-            vals = vals.masked_fill(torch.arange(k, device=vals.device)[None, :] >= limit,
-                                    float("-inf"))
+            vals = vals.masked_fill(
+                torch.arange(k, device=vals.device)[None, :] >= limit, float("-inf")
+            )
         if top_p is None:
             if rows_without_k and k < vocab:
                 k = vocab  # a row without any limit keeps every token
@@ -274,8 +325,12 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < floor, float("-inf"))
 
 
-def apply_filters(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                  min_p: torch.Tensor | None) -> torch.Tensor:
+def apply_filters(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
     """Full-width logits with every token outside top-k, top-p and min-p set to -inf."""
     if top_k is not None or top_p is not None:
         max_k = int(top_k.max()) if top_k is not None else 0
@@ -315,8 +370,7 @@ class Sampler:
                 sampled[meta.greedy_rows] = logits[meta.greedy_rows].argmax(dim=-1)
             for group in meta.random_groups:
                 sampled[group.rows] = self._sample_group(logits[group.rows], group)
-        lp = compute_logprobs(raw, sampled, meta.max_num_logprobs) if meta.needs_logprobs \
-            else None
+        lp = compute_logprobs(raw, sampled, meta.max_num_logprobs) if meta.needs_logprobs else None
         return SamplerOutput(sampled_token_ids=sampled, logprobs=lp)
 
     def _sample_group(self, logits: torch.Tensor, group: RandomGroup) -> torch.Tensor:
@@ -324,24 +378,29 @@ class Sampler:
         logits = logits / group.temperature[:, None]
         ids = None
         if group.truncated:
-            logits, ids = truncate(logits, group.top_k, group.top_p, group.max_top_k,
-                                   group.rows_without_k)
+            logits, ids = truncate(
+                logits, group.top_k, group.top_p, group.max_top_k, group.rows_without_k
+            )
         if group.min_p is not None:
             logits = apply_min_p(logits, group.min_p)
         probs = logits.softmax(dim=-1)
         choice = (probs / self._exponential(group, ids, probs.shape, vocab)).argmax(dim=-1)
         return choice if ids is None else ids.gather(1, choice[:, None])[:, 0]
 
-    def _exponential(self, group: RandomGroup, ids: torch.Tensor | None, shape: torch.Size,
-                     vocab: int) -> torch.Tensor:
+    def _exponential(
+        self, group: RandomGroup, ids: torch.Tensor | None, shape: torch.Size, vocab: int
+    ) -> torch.Tensor:
         """Exp(1) noise for the group's rows: [n, vocab], or at candidate ``ids`` [n, K].
 
         A seeded row always draws the whole vocabulary from its own generator and picks its
         tokens' entries, so a token's noise does not depend on the candidate set.
         """
         device = self.generator.device
-        uniform = torch.rand(shape, generator=self.generator, device=device) \
-            if len(group.seeded) < shape[0] else torch.empty(shape, device=device)
+        uniform = (
+            torch.rand(shape, generator=self.generator, device=device)
+            if len(group.seeded) < shape[0]
+            else torch.empty(shape, device=device)
+        )
         for j, key in zip(group.seeded, group.seed_keys):
             self.row_generator.manual_seed(key)
             row = torch.rand(vocab, generator=self.row_generator, device=device)

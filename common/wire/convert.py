@@ -75,14 +75,22 @@ def step_to_pb(step: StepInput) -> pb.StepRequest:
     msg = pb.StepRequest(step_id=step.step_id, finished_request_ids=step.finished_request_ids)
     add_new = msg.new_requests.add
     for r in step.new_requests:
-        add_new(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=r.output_token_ids, sampling=sampling_to_pb(r.sampling),
-                block_ids=r.block_ids, num_computed_tokens=r.num_computed_tokens,
-                num_scheduled_tokens=r.num_scheduled_tokens)
+        add_new(
+            request_id=r.request_id,
+            prompt_token_ids=r.prompt_token_ids,
+            output_token_ids=r.output_token_ids,
+            sampling=sampling_to_pb(r.sampling),
+            block_ids=r.block_ids,
+            num_computed_tokens=r.num_computed_tokens,
+            num_scheduled_tokens=r.num_scheduled_tokens,
+        )
     add_cached = msg.cached_requests.add
     for r in step.cached_requests:
-        cached = add_cached(request_id=r.request_id, num_computed_tokens=r.num_computed_tokens,
-                            num_scheduled_tokens=r.num_scheduled_tokens)
+        cached = add_cached(
+            request_id=r.request_id,
+            num_computed_tokens=r.num_computed_tokens,
+            num_scheduled_tokens=r.num_scheduled_tokens,
+        )
         if r.new_block_ids:
             cached.new_block_ids.extend(r.new_block_ids)
     return msg
@@ -171,15 +179,21 @@ def result_from_pb(m: pb.StepResult) -> StepOutput:
     for o in m.outputs:
         has = o.HasField
         lps = o.prompt_logprobs
-        append(RequestStepOutput(
-            request_id=o.request_id,
-            sampled_token_id=o.sampled_token_id if has("sampled_token_id") else None,
-            logprobs=_logprobs_from_pb(o.logprobs) if has("logprobs") else None,
-            prompt_logprobs=[_logprobs_from_pb(p) for p in lps] if lps else [],
-            error=o.error,
-        ))
-    return StepOutput(step_id=m.step_id, outputs=outputs, device_seconds=m.device_seconds,
-                      sampled_token_ids=list(m.sampled_token_ids) or None)
+        append(
+            RequestStepOutput(
+                request_id=o.request_id,
+                sampled_token_id=o.sampled_token_id if has("sampled_token_id") else None,
+                logprobs=_logprobs_from_pb(o.logprobs) if has("logprobs") else None,
+                prompt_logprobs=[_logprobs_from_pb(p) for p in lps] if lps else [],
+                error=o.error,
+            )
+        )
+    return StepOutput(
+        step_id=m.step_id,
+        outputs=outputs,
+        device_seconds=m.device_seconds,
+        sampled_token_ids=list(m.sampled_token_ids) or None,
+    )
 
 
 # --- handshake ------------------------------------------------------------------------------

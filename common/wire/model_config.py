@@ -49,8 +49,9 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
-def load_model_geometry(model_dir: str, max_model_len: int = 0,
-                        served_name: str = "") -> ModelGeometry:
+def load_model_geometry(
+    model_dir: str, max_model_len: int = 0, served_name: str = ""
+) -> ModelGeometry:
     """Shape facts of the checkpoint in ``model_dir``.
 
     ``max_model_len`` (0 = the model's own) caps the model's ``max_position_embeddings``. EOS ids

@@ -50,7 +50,8 @@ class TokenInterceptor(grpc.ServerInterceptor):
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method or ""
         if method.startswith(self._exempt) or self._authorized(
-                handler_call_details.invocation_metadata):
+            handler_call_details.invocation_metadata
+        ):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
         if handler is None:
@@ -64,8 +65,10 @@ def _deny(request_or_iterator, context):
 
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that refuses the call."""
-    kw = {"request_deserializer": handler.request_deserializer,
-          "response_serializer": handler.response_serializer}
+    kw = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(_deny, **kw)
     if handler.unary_stream:

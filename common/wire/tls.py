@@ -16,18 +16,21 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def server_credentials(cert_file: str, key_file: str,
-                       client_ca_file: str = "") -> grpc.ServerCredentials:
+def server_credentials(
+    cert_file: str, key_file: str, client_ca_file: str = ""
+) -> grpc.ServerCredentials:
     """A TLS server's credentials; with `client_ca_file`, client certificates are required."""
     pair = [(_read(key_file), _read(cert_file))]
     if client_ca_file:
-        return grpc.ssl_server_credentials(pair, root_certificates=_read(client_ca_file),
-                                           require_client_auth=True)
+        return grpc.ssl_server_credentials(
+            pair, root_certificates=_read(client_ca_file), require_client_auth=True
+        )
     return grpc.ssl_server_credentials(pair)
 
 
-def channel_credentials(ca_file: str, cert_file: str = "",
-                        key_file: str = "") -> grpc.ChannelCredentials:
+def channel_credentials(
+    ca_file: str, cert_file: str = "", key_file: str = ""
+) -> grpc.ChannelCredentials:
     """A TLS client's credentials: trust `ca_file`; present cert/key when both are given."""
     if bool(cert_file) != bool(key_file):
         raise ValueError("a client certificate needs both its certificate and its key")

@@ -100,24 +100,39 @@ class Admission:
         AdmissionRejected."""
         lim = self.limits
         if self.draining:
-            raise AdmissionRejected("The server is shutting down; retry on another replica.",
-                                    503, "shutting_down", lim.retry_after)
+            raise AdmissionRejected(
+                "The server is shutting down; retry on another replica.",
+                503,
+                "shutting_down",
+                lim.retry_after,
+            )
         count, tokens = len(prompt_tokens), sum(prompt_tokens)
         if lim.max_queued_requests and count > lim.max_queued_requests:
             raise AdmissionRejected(
                 f"The request holds {count} sequences (prompts x n); at most "
-                f"{lim.max_queued_requests} may be queued.", 400, "too_many_sequences")
-        over_requests = (lim.max_queued_requests
-                         and self.queued_requests + count > lim.max_queued_requests)
+                f"{lim.max_queued_requests} may be queued.",
+                400,
+                "too_many_sequences",
+            )
+        over_requests = (
+            lim.max_queued_requests and self.queued_requests + count > lim.max_queued_requests
+        )
         # A request alone larger than the token bound still runs when nothing else queues.
-        over_tokens = (lim.max_queued_tokens and self.queued_tokens > 0
-                       and self.queued_tokens + tokens > lim.max_queued_tokens)
+        over_tokens = (
+            lim.max_queued_tokens
+            and self.queued_tokens > 0
+            and self.queued_tokens + tokens > lim.max_queued_tokens
+        )
         if over_requests or over_tokens:
             self.rejected += 1
             raise AdmissionRejected(
                 f"The server is overloaded: {self.queued_requests} requests with "
                 f"{self.queued_tokens} prompt tokens wait for their first token. "
-                "Retry later.", 429, "queue_full", lim.retry_after)
+                "Retry later.",
+                429,
+                "queue_full",
+                lim.retry_after,
+            )
         self.queued_requests += count
         self.queued_tokens += tokens
         ticket = Ticket(self, prompt_tokens)

@@ -67,8 +67,13 @@ def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
 
 
 def _unauthorized(message: str) -> APIError:
-    return APIError(message, 401, code="invalid_api_key", err_type="invalid_request_error",
-                    headers={"WWW-Authenticate": "Bearer"})
+    return APIError(
+        message,
+        401,
+        code="invalid_api_key",
+        err_type="invalid_request_error",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 class APIKeyAuth:
@@ -85,8 +90,10 @@ class APIKeyAuth:
             return
         token = bearer_token(scope.get("headers", []))
         if token is None:
-            err = _unauthorized("You didn't provide an API key. Provide it in the "
-                                "Authorization header as 'Bearer YOUR_KEY'.")
+            err = _unauthorized(
+                "You didn't provide an API key. Provide it in the "
+                "Authorization header as 'Bearer YOUR_KEY'."
+            )
         elif not self.checker.valid(token):
             err = _unauthorized("Incorrect API key provided.")
         else:

@@ -93,8 +93,16 @@ def _usage(prompt_tokens: int, choices: list[Choice]) -> dict:
 class CompletionFormatter:
     """Bodies of /v1/completions."""
 
-    def __init__(self, tokenizer: Tokenizer, meta: ResponseMeta, prompts: list[Prompt],
-                 n: int, echo: bool, logprobs: int | None, return_token_ids: bool = False):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        meta: ResponseMeta,
+        prompts: list[Prompt],
+        n: int,
+        echo: bool,
+        logprobs: int | None,
+        return_token_ids: bool = False,
+    ):
         self.return_token_ids = return_token_ids
         self.meta = meta
         self.prompts = prompts
@@ -109,8 +117,9 @@ class CompletionFormatter:
             return prompt.text
         return self.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
 
-    def _logprobs(self, entries: list[tuple[int, float | None, TokenLogprobs | None]],
-                  offset: int) -> dict:
+    def _logprobs(
+        self, entries: list[tuple[int, float | None, TokenLogprobs | None]], offset: int
+    ) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
         for token_id, lp, full in entries:
             text = self.token_text(token_id)
@@ -124,8 +133,12 @@ class CompletionFormatter:
                 tops.append(top)
             offsets.append(offset)
             offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_lps,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
     def _entries(self, lps: list[TokenLogprobs]):
         return [(lp.token_id, lp.logprob, lp) for lp in lps]
@@ -148,22 +161,32 @@ class CompletionFormatter:
             text = c.text
             if self.echo:
                 text = self._prompt_text(self.prompts[c.prompt_index]) + text
-            item = {"index": c.index, "text": text, "logprobs": self._choice_logprobs(c),
-                    "finish_reason": c.finish_reason}
+            item = {
+                "index": c.index,
+                "text": text,
+                "logprobs": self._choice_logprobs(c),
+                "finish_reason": c.finish_reason,
+            }
             if self.return_token_ids:
                 item["prompt_token_ids"] = self.prompts[c.prompt_index].token_ids
                 item["token_ids"] = c.token_ids
             body.append(item)
         prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
-        return {"id": self.meta.id, "object": "text_completion", "created": self.meta.created,
-                "model": self.meta.model, "choices": body,
-                "usage": _usage(prompt_tokens, choices)}
+        return {
+            "id": self.meta.id,
+            "object": "text_completion",
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": body,
+            "usage": _usage(prompt_tokens, choices),
+        }
 
     def stream_prelude(self, num_choices: int, include_usage: bool) -> list[dict]:
         return []
 
-    def stream_chunk(self, choice: Choice, d: OutputDelta, first: bool,
-                     include_usage: bool) -> dict | None:
+    def stream_chunk(
+        self, choice: Choice, d: OutputDelta, first: bool, include_usage: bool
+    ) -> dict | None:
         text = d.text
         entries = []
         if first and self.echo:
@@ -176,11 +199,20 @@ class CompletionFormatter:
             entries.extend(self._entries(d.logprobs or []))
         if not text and not entries and not d.finished:
             return None
-        body = {"id": self.meta.id, "object": "text_completion", "created": self.meta.created,
-                "model": self.meta.model,
-                "choices": [{"index": choice.index, "text": text,
-                             "logprobs": self._logprobs(entries, 0) if entries else None,
-                             "finish_reason": d.finish_reason if d.finished else None}]}
+        body = {
+            "id": self.meta.id,
+            "object": "text_completion",
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": [
+                {
+                    "index": choice.index,
+                    "text": text,
+                    "logprobs": self._logprobs(entries, 0) if entries else None,
+                    "finish_reason": d.finish_reason if d.finished else None,
+                }
+            ],
+        }
         if self.return_token_ids:
             body["choices"][0]["token_ids"] = d.token_ids
         if include_usage:
@@ -189,8 +221,14 @@ class CompletionFormatter:
 
     def usage_chunk(self, choices: list[Choice]) -> dict:
         prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
-        return {"id": self.meta.id, "object": "text_completion", "created": self.meta.created,
-                "model": self.meta.model, "choices": [], "usage": _usage(prompt_tokens, choices)}
+        return {
+            "id": self.meta.id,
+            "object": "text_completion",
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": [],
+            "usage": _usage(prompt_tokens, choices),
+        }
 
 
 class ChatFormatter:
@@ -198,8 +236,14 @@ class ChatFormatter:
 
     n = 1  # choices are indexed directly
 
-    def __init__(self, tokenizer: Tokenizer, meta: ResponseMeta, prompt: Prompt,
-                 logprobs: bool, return_token_ids: bool = False):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        meta: ResponseMeta,
+        prompt: Prompt,
+        logprobs: bool,
+        return_token_ids: bool = False,
+    ):
         self.return_token_ids = return_token_ids
         self.meta = meta
         self.prompt = prompt
@@ -210,19 +254,31 @@ class ChatFormatter:
         out = []
         for lp in lps:
             text = self.token_text(lp.token_id)
-            out.append({
-                "token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8")),
-                "top_logprobs": [
-                    {"token": self.token_text(t), "logprob": v,
-                     "bytes": list(self.token_text(t).encode("utf-8"))}
-                    for t, v in zip(lp.top_token_ids, lp.top_logprobs)
-                ],
-            })
+            out.append(
+                {
+                    "token": text,
+                    "logprob": lp.logprob,
+                    "bytes": list(text.encode("utf-8")),
+                    "top_logprobs": [
+                        {
+                            "token": self.token_text(t),
+                            "logprob": v,
+                            "bytes": list(self.token_text(t).encode("utf-8")),
+                        }
+                        for t, v in zip(lp.top_token_ids, lp.top_logprobs)
+                    ],
+                }
+            )
         return out
 
     def _chunk(self, choices: list[dict], include_usage: bool) -> dict:
-        body = {"id": self.meta.id, "object": "chat.completion.chunk",
-                "created": self.meta.created, "model": self.meta.model, "choices": choices}
+        body = {
+            "id": self.meta.id,
+            "object": "chat.completion.chunk",
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": choices,
+        }
         if include_usage:
             body["usage"] = None
         return body
@@ -232,31 +288,54 @@ class ChatFormatter:
         body = []
         for c in choices:
             lp = {"content": self._content_logprobs(c.logprobs)} if self.logprobs else None
-            item = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": lp, "finish_reason": c.finish_reason}
+            item = {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": lp,
+                "finish_reason": c.finish_reason,
+            }
             if self.return_token_ids:
                 item["prompt_token_ids"] = self.prompt.token_ids
                 item["token_ids"] = c.token_ids
             body.append(item)
-        return {"id": self.meta.id, "object": "chat.completion", "created": self.meta.created,
-                "model": self.meta.model, "choices": body,
-                "usage": _usage(len(self.prompt.token_ids), choices)}
+        return {
+            "id": self.meta.id,
+            "object": "chat.completion",
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": body,
+            "usage": _usage(len(self.prompt.token_ids), choices),
+        }
 
     def stream_prelude(self, num_choices: int, include_usage: bool) -> list[dict]:
         return [
-            self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}], include_usage)
+            self._chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+                include_usage,
+            )
             for i in range(num_choices)
         ]
 
-    def stream_chunk(self, choice: Choice, d: OutputDelta, first: bool,
-                     include_usage: bool) -> dict | None:
+    def stream_chunk(
+        self, choice: Choice, d: OutputDelta, first: bool, include_usage: bool
+    ) -> dict | None:
         if not d.text and not d.finished and not d.token_ids:
             return None
         delta = {"content": d.text} if d.text else {}
         lp = {"content": self._content_logprobs(d.logprobs or [])} if self.logprobs else None
-        item = {"index": choice.index, "delta": delta, "logprobs": lp,
-                "finish_reason": d.finish_reason if d.finished else None}
+        item = {
+            "index": choice.index,
+            "delta": delta,
+            "logprobs": lp,
+            "finish_reason": d.finish_reason if d.finished else None,
+        }
         if self.return_token_ids:
             item["token_ids"] = d.token_ids
         return self._chunk([item], include_usage)

@@ -11,8 +11,9 @@ from controller.api.errors import APIError, error_response
 
 
 def _too_large(limit: int) -> APIError:
-    return APIError(f"The request body is larger than {limit} bytes.", 413,
-                    code="request_too_large")
+    return APIError(
+        f"The request body is larger than {limit} bytes.", 413, code="request_too_large"
+    )
 
 
 class BodySizeLimit:

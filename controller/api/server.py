@@ -27,8 +27,17 @@ from controller.fleet.engine import Engine
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 # What /health shows per executor (the admin endpoint shows everything).
-_HEALTH_FIELDS = ("address", "state", "healthy", "kind", "incarnation", "running", "waiting",
-                  "kv_usage", "used_blocks")
+_HEALTH_FIELDS = (
+    "address",
+    "state",
+    "healthy",
+    "kind",
+    "incarnation",
+    "running",
+    "waiting",
+    "kv_usage",
+    "used_blocks",
+)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -58,8 +67,11 @@ def create_app(engine: Engine, serving: OpenAIServing, start_engine: bool = True
     cfg = engine.config
     # Outermost first: keys are checked before a body is read.
     app.add_middleware(BodySizeLimit, max_bytes=getattr(cfg, "max_request_bytes", 0))
-    app.add_middleware(APIKeyAuth, keys=list(getattr(cfg, "api_keys", ())),
-                       exempt_paths=getattr(cfg, "auth_exempt_paths", DEFAULT_EXEMPT_PATHS))
+    app.add_middleware(
+        APIKeyAuth,
+        keys=list(getattr(cfg, "api_keys", ())),
+        exempt_paths=getattr(cfg, "auth_exempt_paths", DEFAULT_EXEMPT_PATHS),
+    )
     admission = serving.admission
 
     @app.exception_handler(APIError)
@@ -95,34 +107,51 @@ def create_app(engine: Engine, serving: OpenAIServing, start_engine: bool = True
         for e in states:
             if e["healthy"]:
                 kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
-        return {"object": "list", "data": [{
-            "id": serving.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "tandem", "root": engine.config.model,
-            "max_model_len": engine.max_model_len,
-            "executors": {"total": len(states), "healthy": sum(kinds.values()),
-                          "healthy_by_kind": kinds},
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": serving.model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "tandem",
+                    "root": engine.config.model,
+                    "max_model_len": engine.max_model_len,
+                    "executors": {
+                        "total": len(states),
+                        "healthy": sum(kinds.values()),
+                        "healthy_by_kind": kinds,
+                    },
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health():
         states = engine.executors_state()
         ok = engine.healthy and not admission.draining
         status = "draining" if admission.draining else "ok" if ok else "unavailable"
-        state = {"status": status,
-                 "healthy_executors": sum(e["healthy"] for e in states),
-                 "executors": [{k: e[k] for k in _HEALTH_FIELDS} for e in states]}
+        state = {
+            "status": status,
+            "healthy_executors": sum(e["healthy"] for e in states),
+            "executors": [{k: e[k] for k in _HEALTH_FIELDS} for e in states],
+        }
         return JSONResponse(state, status_code=200 if ok else 503)
 
     @app.get("/admin/executors")
     async def executors():
-        return {"executors": engine.executors_state(),
-                "requests_waiting_for_executor": len(engine.waiting),
-                "summary": engine.fleet_summary(),
-                "admission": {"active_responses": admission.active,
-                              "queued_requests": admission.queued_requests,
-                              "queued_tokens": admission.queued_tokens,
-                              "rejected": admission.rejected,
-                              "draining": admission.draining}}
+        return {
+            "executors": engine.executors_state(),
+            "requests_waiting_for_executor": len(engine.waiting),
+            "summary": engine.fleet_summary(),
+            "admission": {
+                "active_responses": admission.active,
+                "queued_requests": admission.queued_requests,
+                "queued_tokens": admission.queued_tokens,
+                "rejected": admission.rejected,
+                "draining": admission.draining,
+            },
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -138,8 +167,9 @@ def create_app(engine: Engine, serving: OpenAIServing, start_engine: bool = True
         if (body.prompt is None) == (body.messages is None):
             raise APIError("Give exactly one of prompt or messages.", 400, "prompt")
         if body.messages is not None:
-            text = serving.render_chat([m.model_dump(exclude_none=True) for m in body.messages],
-                                       body.add_generation_prompt)
+            text = serving.render_chat(
+                [m.model_dump(exclude_none=True) for m in body.messages], body.add_generation_prompt
+            )
             ids = serving.encode(text, "messages", add_special_tokens=False)
         else:
             ids = serving.encode(body.prompt, "prompt", body.add_special_tokens)

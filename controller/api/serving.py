@@ -24,14 +24,21 @@ from controller.text.tokenizer import Tokenizer
 
 # Template inputs the server sets itself; chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_VARS = frozenset(
-    {"messages", "add_generation_prompt", "tools", "documents", "chat_template"})
+    {"messages", "add_generation_prompt", "tools", "documents", "chat_template"}
+)
 
 
 class OpenAIServing:
     """Handlers for /v1/completions and /v1/chat/completions."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, max_logprobs: int,
-                 admission: Admission | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        model_name: str,
+        max_logprobs: int,
+        admission: Admission | None = None,
+    ):
         self.engine = engine  # the engine
         self.tokenizer = tokenizer  # the model's tokenizer
         self.model_name = model_name  # served name
@@ -73,18 +80,24 @@ class OpenAIServing:
         except (TypeError, ValueError, UnicodeError) as exc:
             raise APIError(f"{param} is not valid Unicode text: {exc}", 400, param) from exc
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool,
-                    tools: list | None = None, extra: dict | None = None) -> str:
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        tools: list | None = None,
+        extra: dict | None = None,
+    ) -> str:
         """The chat template applied to client messages; 400 when the template cannot render
         them (the messages, tools and variables are the client's)."""
         clash = sorted(_RESERVED_TEMPLATE_VARS & set(extra or ()))
         if clash:
-            raise APIError(f"chat_template_kwargs may not set {', '.join(clash)}", 400,
-                           "chat_template_kwargs")
+            raise APIError(
+                f"chat_template_kwargs may not set {', '.join(clash)}", 400, "chat_template_kwargs"
+            )
         try:
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                **(extra or {}))
+                messages, add_generation_prompt=add_generation_prompt, tools=tools, **(extra or {})
+            )
         except Exception as exc:  # whatever the client's input makes the template raise
             raise APIError(f"Cannot apply the chat template: {exc}", 400, "messages") from exc
 
@@ -103,7 +116,10 @@ class OpenAIServing:
             if requested < 1:
                 raise APIError(
                     f"This model's maximum context length is {capacity} tokens. However, your "
-                    f"prompt has {prompt_len} tokens.", 400, "messages", "context_length_exceeded",
+                    f"prompt has {prompt_len} tokens.",
+                    400,
+                    "messages",
+                    "context_length_exceeded",
                 )
             return requested
         if prompt_len + requested > capacity:
@@ -111,12 +127,15 @@ class OpenAIServing:
                 f"This model's maximum context length is {capacity} tokens. However, you "
                 f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
                 f"{requested} in the completion). Please reduce the prompt or max_tokens.",
-                400, "max_tokens", "context_length_exceeded",
+                400,
+                "max_tokens",
+                "context_length_exceeded",
             )
         return requested
 
-    def _sampling(self, req: _SamplingFields, logprobs: int | None, prompt_lp: int | None,
-                  seed_offset: int) -> SamplingParams:
+    def _sampling(
+        self, req: _SamplingFields, logprobs: int | None, prompt_lp: int | None, seed_offset: int
+    ) -> SamplingParams:
         temperature = 1.0 if req.temperature is None else req.temperature
         top_k = max(0, req.top_k or 0)
         return SamplingParams(
@@ -132,9 +151,14 @@ class OpenAIServing:
             prompt_logprobs=prompt_lp,
         )
 
-    def _generation_requests(self, req: _SamplingFields, prompts: list[Prompt],
-                             max_tokens: int | None, logprobs: int | None,
-                             prompt_lp: int | None) -> list[GenerationRequest]:
+    def _generation_requests(
+        self,
+        req: _SamplingFields,
+        prompts: list[Prompt],
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_lp: int | None,
+    ) -> list[GenerationRequest]:
         if getattr(req, "logit_bias", None):
             raise APIError("logit_bias is not supported", 400, "logit_bias")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -152,26 +176,29 @@ class OpenAIServing:
                 min_tokens = min(req.min_tokens, limit)
                 if min_tokens:
                     sampling.min_tokens, sampling.stop_token_ids = min_tokens, ending
-                gens.append(GenerationRequest(
-                    request_id=f"{base}-{p_index}-{j}",
-                    prompt_token_ids=prompt.token_ids,
-                    sampling=sampling,
-                    max_tokens=limit,
-                    min_tokens=min_tokens,
-                    stop=stop,
-                    stop_token_ids=stop_ids,
-                    ignore_eos=req.ignore_eos,
-                    include_stop_str_in_output=req.include_stop_str_in_output,
-                    skip_special_tokens=req.skip_special_tokens,
-                    priority=req.priority,
-                    stream=bool(req.stream),
-                ))
+                gens.append(
+                    GenerationRequest(
+                        request_id=f"{base}-{p_index}-{j}",
+                        prompt_token_ids=prompt.token_ids,
+                        sampling=sampling,
+                        max_tokens=limit,
+                        min_tokens=min_tokens,
+                        stop=stop,
+                        stop_token_ids=stop_ids,
+                        ignore_eos=req.ignore_eos,
+                        include_stop_str_in_output=req.include_stop_str_in_output,
+                        skip_special_tokens=req.skip_special_tokens,
+                        priority=req.priority,
+                        stream=bool(req.stream),
+                    )
+                )
         return gens
 
     # --- running ------------------------------------------------------------------------
 
-    async def _run(self, gens: list[GenerationRequest],
-                   ticket: Ticket) -> AsyncIterator[tuple[int, OutputDelta]]:
+    async def _run(
+        self, gens: list[GenerationRequest], ticket: Ticket
+    ) -> AsyncIterator[tuple[int, OutputDelta]]:
         """Run all requests concurrently; yield (index, delta) as they come; abort on exit.
 
         When the ticket is aborted (shutdown), every unfinished request ends with "abort".
@@ -196,8 +223,10 @@ class OpenAIServing:
                 if item is ABORT:
                     for j, gen in enumerate(gens):
                         if not finished[j]:
-                            yield j, OutputDelta(gen.request_id, finished=True,
-                                                 finish_reason="abort")
+                            yield (
+                                j,
+                                OutputDelta(gen.request_id, finished=True, finish_reason="abort"),
+                            )
                     return
                 ticket.started(i)
                 if isinstance(item, NoExecutorError):
@@ -213,8 +242,9 @@ class OpenAIServing:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _collect(self, gens: list[GenerationRequest], http: HTTPRequest,
-                       ticket: Ticket) -> list[Choice] | None:
+    async def _collect(
+        self, gens: list[GenerationRequest], http: HTTPRequest, ticket: Ticket
+    ) -> list[Choice] | None:
         """Run to completion (non-streaming); abort everything and return None if the client
         leaves."""
         choices = [Choice(index=i, prompt_index=0) for i in range(len(gens))]
@@ -273,8 +303,9 @@ class OpenAIServing:
         prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
         gens = self._generation_requests(req, prompts, req.max_tokens, req.logprobs, prompt_lp)
         meta = formats.ResponseMeta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name)
-        fmt = formats.CompletionFormatter(self.tokenizer, meta, prompts, req.n, req.echo,
-                                          req.logprobs, req.return_token_ids)
+        fmt = formats.CompletionFormatter(
+            self.tokenizer, meta, prompts, req.n, req.echo, req.logprobs, req.return_token_ids
+        )
         ticket = self._admit(gens)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -297,16 +328,19 @@ class OpenAIServing:
         self.check_draining()
         await self.wait_for_executor()
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        text = self.render_chat(messages, req.add_generation_prompt, req.tools,
-                                req.chat_template_kwargs)
+        text = self.render_chat(
+            messages, req.add_generation_prompt, req.tools, req.chat_template_kwargs
+        )
         prompt = Prompt(self.encode(text, "messages", add_special_tokens=False), text)
         logprobs = (top or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
         gens = self._generation_requests(req, [prompt], max_tokens, logprobs, None)
-        meta = formats.ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()),
-                                    self.model_name)
-        fmt = formats.ChatFormatter(self.tokenizer, meta, prompt, req.logprobs,
-                                    req.return_token_ids)
+        meta = formats.ResponseMeta(
+            f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name
+        )
+        fmt = formats.ChatFormatter(
+            self.tokenizer, meta, prompt, req.logprobs, req.return_token_ids
+        )
         ticket = self._admit(gens)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -318,8 +352,14 @@ class OpenAIServing:
 
     # --- streaming ----------------------------------------------------------------------
 
-    def _sse(self, gens: list[GenerationRequest], chunk: Callable, fmt,
-             include_usage: bool, ticket: Ticket) -> StreamingResponse:
+    def _sse(
+        self,
+        gens: list[GenerationRequest],
+        chunk: Callable,
+        fmt,
+        include_usage: bool,
+        ticket: Ticket,
+    ) -> StreamingResponse:
         choices = [Choice(index=i, prompt_index=i // max(1, fmt.n)) for i in range(len(gens))]
 
         async def events() -> AsyncIterator[str]:
@@ -331,9 +371,16 @@ class OpenAIServing:
                         first = not choices[i].token_ids and not choices[i].text
                         choices[i].add(d)
                         if d.error:
-                            yield _sse_line({"error": {"message": d.error,
-                                                       "type": "server_error",
-                                                       "param": None, "code": None}})
+                            yield _sse_line(
+                                {
+                                    "error": {
+                                        "message": d.error,
+                                        "type": "server_error",
+                                        "param": None,
+                                        "code": None,
+                                    }
+                                }
+                            )
                             continue
                         body = chunk(choices[i], d, first, include_usage)
                         if body is not None:
@@ -341,12 +388,21 @@ class OpenAIServing:
                     if include_usage:
                         yield _sse_line(fmt.usage_chunk(choices))
             except APIError as err:
-                yield _sse_line({"error": {"message": err.message, "type": err.err_type,
-                                           "param": err.param, "code": err.code}})
+                yield _sse_line(
+                    {
+                        "error": {
+                            "message": err.message,
+                            "type": err.err_type,
+                            "param": err.param,
+                            "code": err.code,
+                        }
+                    }
+                )
             yield "data: [DONE]\n\n"
 
-        return _TicketedStream(ticket, events(), media_type="text/event-stream",
-                               headers={"Cache-Control": "no-cache"})
+        return _TicketedStream(
+            ticket, events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
 
 class _TicketedStream(StreamingResponse):

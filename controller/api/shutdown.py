@@ -51,8 +51,11 @@ class GracefulServer(uvicorn.Server):
         """Stop admission, wait up to `grace` for open responses, abort the rest, exit."""
         adm = self.admission
         adm.start_draining()
-        log.info("shutting down: admitting nothing; %d responses open, %.0fs grace",
-                 adm.active, self.grace)
+        log.info(
+            "shutting down: admitting nothing; %d responses open, %.0fs grace",
+            adm.active,
+            self.grace,
+        )
         if not await adm.wait_idle(self.grace):
             count = adm.abort_all()
             log.warning("shutdown grace over: aborting %d responses", count)

@@ -315,7 +315,8 @@ class KVCacheManager:
             if num_total <= len(table) * self.block_size and (
                 not self.enable_prefix_caching
                 or min(num_total, len(request.prompt_token_ids) + len(request.output_token_ids))
-                // self.block_size <= self._num_cached[rid]
+                // self.block_size
+                <= self._num_cached[rid]
             ):
                 return []
         first = table is None

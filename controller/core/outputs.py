@@ -55,7 +55,13 @@ def absorb(into: OutputDelta, later: OutputDelta) -> None:
                 setattr(into, name, list(extra))
             else:
                 held.extend(extra)
-    into.finished, into.finish_reason, into.error = (later.finished, later.finish_reason,
-                                                     later.error)
+    into.finished, into.finish_reason, into.error = (
+        later.finished,
+        later.finish_reason,
+        later.error,
+    )
     into.num_prompt_tokens, into.num_output_tokens, into.num_cached_tokens = (
-        later.num_prompt_tokens, later.num_output_tokens, later.num_cached_tokens)
+        later.num_prompt_tokens,
+        later.num_output_tokens,
+        later.num_cached_tokens,
+    )

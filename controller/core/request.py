@@ -93,8 +93,10 @@ class Request:
         sampled = len(self.output_token_ids) + self.num_pending_tokens
         if sampled >= self.max_tokens:
             return False
-        return self.max_model_len <= 0 or self.num_tokens + self.num_pending_tokens < \
-            self.max_model_len
+        return (
+            self.max_model_len <= 0
+            or self.num_tokens + self.num_pending_tokens < self.max_model_len
+        )
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """Tokens at positions [start, end) of prompt + output, without joining the two lists."""

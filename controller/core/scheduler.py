@@ -205,8 +205,10 @@ class Scheduler(SchedulerBase):
             pending = request.num_pending_tokens
             num_known = len(request.prompt_token_ids) + num_output
             num_new = num_known + pending - request.num_computed_tokens
-            if pending and (num_output + pending >= request.max_tokens or (
-                    0 < request.max_model_len <= num_known + pending)):
+            if pending and (
+                num_output + pending >= request.max_tokens
+                or (0 < request.max_model_len <= num_known + pending)
+            ):
                 num_new = 0  # what is left is placeholders, computed only to sample more
             if 0 < threshold < num_new:
                 num_new = threshold
@@ -350,8 +352,9 @@ class Scheduler(SchedulerBase):
         return updates
 
 
-def _results(step: StepInput, output: StepOutput
-             ) -> Iterator[tuple[str, int | None, RequestStepOutput | None]]:
+def _results(
+    step: StepInput, output: StepOutput
+) -> Iterator[tuple[str, int | None, RequestStepOutput | None]]:
     """(request id, sampled token or None, its full output if it has one) per request of the
     step, from either form of StepOutput (see its sampled_token_ids)."""
     if output.sampled_token_ids is None:

@@ -37,13 +37,15 @@ class SchedulerConfig:
     max_model_len: int = 0  # default Request.max_model_len; 0 = no limit
 
     @classmethod
-    def for_executor(cls, cfg: ControllerConfig, info: DeviceInfo,
-                     num_blocks: int) -> SchedulerConfig:
+    def for_executor(
+        cls, cfg: ControllerConfig, info: DeviceInfo, num_blocks: int
+    ) -> SchedulerConfig:
         """The controller's settings within what one executor says it can do (its kind's
         limits from ``--executor-limits`` first)."""
         caps = info.capabilities
         tokens, seqs = cfg.kind_limits.get(
-            info.device_kind, (cfg.max_num_batched_tokens, cfg.max_num_seqs))
+            info.device_kind, (cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        )
         return cls(
             max_num_batched_tokens=min(tokens, caps.max_tokens_per_step),
             max_num_seqs=min(seqs, caps.max_num_seqs),
@@ -194,5 +196,6 @@ def load_scheduler_class(spec: str) -> type[SchedulerBase]:
     cls = getattr(module, class_name, None)
     if not isinstance(cls, type) or not issubclass(cls, SchedulerBase):
         raise TypeError(
-            f"{spec!r} is not a subclass of controller.core.scheduler_base.SchedulerBase")
+            f"{spec!r} is not a subclass of controller.core.scheduler_base.SchedulerBase"
+        )
     return cls

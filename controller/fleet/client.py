@@ -37,8 +37,13 @@ class ChannelSecurity:
     metadata: tuple = field(default_factory=tuple)  # sent on every RPC (the token)
 
 
-def make_security(ca_file: str = "", cert_file: str = "", key_file: str = "",
-                  server_name: str = "", token: str = "") -> ChannelSecurity:
+def make_security(
+    ca_file: str = "",
+    cert_file: str = "",
+    key_file: str = "",
+    server_name: str = "",
+    token: str = "",
+) -> ChannelSecurity:
     """ChannelSecurity from PEM files and a token ("" = off)."""
     from common.wire.tls import channel_credentials
 
@@ -76,8 +81,9 @@ class HandshakeResult:
 class ExecutorClient:
     """gRPC channel, handshake and ExecuteModel stream to one executor."""
 
-    def __init__(self, address: str, step_timeout: float = 300.0,
-                 security: ChannelSecurity | None = None):
+    def __init__(
+        self, address: str, step_timeout: float = 300.0, security: ChannelSecurity | None = None
+    ):
         self.address = address  # host:port
         self.step_timeout = step_timeout  # seconds a step may take before the executor is lost
         self.security = security or ChannelSecurity()  # TLS and token of every call
@@ -94,8 +100,9 @@ class ExecutorClient:
                 options = list(_CHANNEL_OPTIONS)
                 if sec.server_name:
                     options.append(("grpc.ssl_target_name_override", sec.server_name))
-                self._channel = grpc.aio.secure_channel(self.address, sec.credentials,
-                                                        options=options)
+                self._channel = grpc.aio.secure_channel(
+                    self.address, sec.credentials, options=options
+                )
             self._stub = pb_grpc.ExecutorStub(self._channel)
             self._health = health_pb2_grpc.HealthStub(self._channel)
         return self._channel
@@ -105,7 +112,8 @@ class ExecutorClient:
         _ = self.channel
         try:
             resp = await self._health.Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout,
+                health_pb2.HealthCheckRequest(service=""),
+                timeout=timeout,
                 metadata=self.security.metadata,
             )
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, TimeoutError):
@@ -135,8 +143,12 @@ class ExecutorClient:
         meta = self.security.metadata
 
         async def init_device(tokens: int, seqs: int) -> DeviceInfo:
-            req = pb.InitDeviceRequest(max_num_batched_tokens=tokens, max_num_seqs=seqs,
-                                       max_model_len=max_model_len, seed=seed)
+            req = pb.InitDeviceRequest(
+                max_num_batched_tokens=tokens,
+                max_num_seqs=seqs,
+                max_model_len=max_model_len,
+                seed=seed,
+            )
             return convert.device_info_from_pb(
                 await self._stub.InitDevice(req, timeout=timeout, metadata=meta)
             )
@@ -146,8 +158,9 @@ class ExecutorClient:
         if override and override != (max_num_batched_tokens, max_num_seqs):
             info = await init_device(*override)
         memory = convert.memory_profile_from_pb(
-            await self._stub.ProfileMemory(pb.ProfileMemoryRequest(), timeout=timeout,
-                                           metadata=meta)
+            await self._stub.ProfileMemory(
+                pb.ProfileMemoryRequest(), timeout=timeout, metadata=meta
+            )
         )
         num_blocks = memory.available_kv_bytes // info.kv_cache.bytes_per_block
         if num_blocks_override > 0:
@@ -175,9 +188,7 @@ class ExecutorClient:
             await self._call.write(convert.step_to_pb(step))
         except grpc.aio.AioRpcError as exc:
             await self.close_stream()
-            raise ExecutorLost(
-                f"step stream broke: {exc.code().name}: {exc.details()}"
-            ) from exc
+            raise ExecutorLost(f"step stream broke: {exc.code().name}: {exc.details()}") from exc
         except grpc.aio.UsageError as exc:
             await self.close_stream()
             raise ExecutorLost(f"step stream unusable: {exc}") from exc
@@ -191,9 +202,7 @@ class ExecutorClient:
                 msg = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             await self.close_stream()
-            raise ExecutorLost(
-                f"step stream broke: {exc.code().name}: {exc.details()}"
-            ) from exc
+            raise ExecutorLost(f"step stream broke: {exc.code().name}: {exc.details()}") from exc
         except TimeoutError as exc:
             await self.close_stream()
             raise ExecutorLost(f"step {step.step_id} took over {self.step_timeout:g}s") from exc

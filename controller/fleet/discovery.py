@@ -99,8 +99,13 @@ class Discovery:
                 self._last[index] = addresses
             except Exception as exc:  # keep the last answer
                 addresses = self._last.get(index, set())
-                log.warning("discovery: %s %s failed (%s); keeping %d addresses", source.kind,
-                            source.spec, exc, len(addresses))
+                log.warning(
+                    "discovery: %s %s failed (%s); keeping %d addresses",
+                    source.kind,
+                    source.spec,
+                    exc,
+                    len(addresses),
+                )
             for address in addresses:
                 found.setdefault(address, source.kind)
         result = dict(found)

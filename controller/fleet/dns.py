@@ -52,8 +52,10 @@ def skip_name(msg: bytes, pos: int) -> int:
 
 def build_query(qid: int, name: str, qtype: int) -> bytes:
     """One question, recursion desired."""
-    return struct.pack("!HHHHHH", qid, _FLAG_RD, 1, 0, 0, 0) + encode_name(name) + struct.pack(
-        "!HH", qtype, 1
+    return (
+        struct.pack("!HHHHHH", qid, _FLAG_RD, 1, 0, 0, 0)
+        + encode_name(name)
+        + struct.pack("!HH", qtype, 1)
     )
 
 
@@ -129,8 +131,9 @@ def query(name: str, qtype: int, server: tuple[str, int], timeout: float = 2.0) 
     return found
 
 
-async def resolve(name: str, nameserver: tuple[str, int] | None = None,
-                  timeout: float = 2.0) -> list[str]:
+async def resolve(
+    name: str, nameserver: tuple[str, int] | None = None, timeout: float = 2.0
+) -> list[str]:
     """Every IPv4 and IPv6 address of `name`, sorted; [] when the name does not exist.
 
     An IP literal resolves to itself. Raises DNSError (or OSError) when the answer is unknown,

@@ -49,8 +49,12 @@ class Engine:
         self.tokenizer = tokenizer  # for detokenization
         self.metrics = EngineMetrics(config.served_model_name)  # Prometheus metrics
         self.executor_security = make_security(  # TLS and token of every executor channel
-            config.executor_tls_ca, config.executor_tls_cert, config.executor_tls_key,
-            config.executor_tls_server_name, config.executor_token)
+            config.executor_tls_ca,
+            config.executor_tls_cert,
+            config.executor_tls_key,
+            config.executor_tls_server_name,
+            config.executor_token,
+        )
         self.policy = PlacementPolicy(config.prefix_affinity, config.affinity_max_wait)
         self.discovery = Discovery(config)  # where executors are
         self.runners: dict[str, ExecutorRunner] = {}  # by address
@@ -114,8 +118,9 @@ class Engine:
             log.info("executor %s removed", runner.address)
         self._refresh_limits()
 
-    def request_done(self, tracked: Tracked, reason: str | None, runner: ExecutorRunner,
-                     now: float) -> None:
+    def request_done(
+        self, tracked: Tracked, reason: str | None, runner: ExecutorRunner, now: float
+    ) -> None:
         """A request finished on an executor: metrics, the expected output length, a log line."""
         self.metrics.request_finished(reason, tracked, now, runner)
         req = tracked.request
@@ -124,8 +129,13 @@ class Engine:
         self._expected_output = 0.9 * self._expected_output + 0.1 * req.num_output_tokens
         log.info(
             "request %s finished (%s) on %s: %d prompt tokens (%d cached), %d generated, %.2fs",
-            tracked.gen.request_id, reason, runner.address, req.num_prompt_tokens,
-            req.num_cached_tokens, req.num_output_tokens, now - tracked.arrival,
+            tracked.gen.request_id,
+            reason,
+            runner.address,
+            req.num_prompt_tokens,
+            req.num_cached_tokens,
+            req.num_output_tokens,
+            now - tracked.arrival,
         )
 
     def check_compatible(self, runner: ExecutorRunner, info: DeviceInfo) -> None:
@@ -137,20 +147,28 @@ class Engine:
         mine = (info.model.architecture, info.model.vocab_size, info.model.num_layers)
         theirs = (ref.model.architecture, ref.model.vocab_size, ref.model.num_layers)
         if mine != theirs:
-            raise RuntimeError(f"executor {runner.address} serves a different model {mine}; "
-                               f"the fleet serves {theirs}")
+            raise RuntimeError(
+                f"executor {runner.address} serves a different model {mine}; "
+                f"the fleet serves {theirs}"
+            )
 
     def fleet_cost_prior(self, runner: ExecutorRunner) -> tuple[float, float]:
         """Starting step-cost guess for a new executor: the fleet's average."""
-        fitted = [r.cost.coefficients() for r in self.runners.values()
-                  if r is not runner and r.cost.steps > 0]
+        fitted = [
+            r.cost.coefficients()
+            for r in self.runners.values()
+            if r is not runner and r.cost.steps > 0
+        ]
         if not fitted:
             return runner.cost.prior_overhead, runner.cost.prior_per_token
         return (sum(f[0] for f in fitted) / len(fitted), sum(f[1] for f in fitted) / len(fitted))
 
     def _refresh_limits(self) -> None:
-        known = [r for r in self.runners.values()
-                 if r.info is not None and r.state is not RunnerState.REMOVED]
+        known = [
+            r
+            for r in self.runners.values()
+            if r.info is not None and r.state is not RunnerState.REMOVED
+        ]
         if not known:
             return  # keep the last fleet's limits while none is connected
         self.max_model_len = min(r.info.model.max_model_len for r in known)
@@ -183,8 +201,10 @@ class Engine:
         return f"{healthy} of {n} executor{'s' if n != 1 else ''} healthy"
 
     def no_executor_message(self) -> str:
-        return (f"No healthy executor is available: waited {self.config.no_executor_timeout:g}s "
-                f"for one ({self.fleet_summary()}). Try again later.")
+        return (
+            f"No healthy executor is available: waited {self.config.no_executor_timeout:g}s "
+            f"for one ({self.fleet_summary()}). Try again later."
+        )
 
     def executors_state(self) -> list[dict]:
         """Per-executor state for /health and the admin endpoint."""
@@ -219,9 +239,12 @@ class Engine:
             gen=gen,
             queue=asyncio.Queue(),
             text=OutputTextState(
-                self.tokenizer, gen.prompt_token_ids, stop=gen.stop,
+                self.tokenizer,
+                gen.prompt_token_ids,
+                stop=gen.stop,
                 include_stop_str_in_output=gen.include_stop_str_in_output,
-                skip_special_tokens=gen.skip_special_tokens, defer=not gen.stream,
+                skip_special_tokens=gen.skip_special_tokens,
+                defer=not gen.stream,
             ),
             request=None,
             arrival=time.perf_counter(),
@@ -247,17 +270,23 @@ class Engine:
         elif self.waiting.pop(tracked.gen.request_id, None) is not None:
             self.metrics.request_finished("abort", tracked)
 
-    def _place(self, tracked: Tracked, exclude: ExecutorRunner | None = None,
-               startable_only: bool = False) -> bool:
+    def _place(
+        self, tracked: Tracked, exclude: ExecutorRunner | None = None, startable_only: bool = False
+    ) -> bool:
         """Place a request on the best healthy executor; False when none can take it."""
         gen = tracked.gen
         output = tracked.output_token_ids
         tokens = gen.prompt_token_ids + output
         n = len(tokens)
         longest = len(gen.prompt_token_ids) + gen.max_tokens
-        runners = [r for r in self.runners.values()
-                   if r.healthy and r is not exclude and r.fits(n, longest)
-                   and (not startable_only or r.can_start_now(n))]
+        runners = [
+            r
+            for r in self.runners.values()
+            if r.healthy
+            and r is not exclude
+            and r.fits(n, longest)
+            and (not startable_only or r.can_start_now(n))
+        ]
         if not runners:
             return False
         use_cache = self.config.enable_prefix_caching and gen.sampling.prompt_logprobs is None
@@ -269,7 +298,8 @@ class Engine:
         expected = self._expected_output
         healthy = [r for r in self.runners.values() if r.healthy]
         query = PlacementQuery(
-            n, max(1, min(remaining, round(expected))),
+            n,
+            max(1, min(remaining, round(expected))),
             reference_batch=1.0 + sum(len(r.tracked) for r in healthy) / max(len(healthy), 1),
         )
         decision = self.policy.choose(
@@ -285,17 +315,26 @@ class Engine:
         tracked.expected_hit = decision.prefix_hit
         runner.add(tracked)  # ValueError (never runnable) goes to the caller
         self.metrics.placed(decision.reason)
-        log.debug("request %s -> %s (%s, %d cached tokens, latency %.2fs, balanced %.2fs)",
-                  gen.request_id, runner.address, decision.reason, decision.prefix_hit,
-                  decision.latency, decision.balance_latency)
+        log.debug(
+            "request %s -> %s (%s, %d cached tokens, latency %.2fs, balanced %.2fs)",
+            gen.request_id,
+            runner.address,
+            decision.reason,
+            decision.prefix_hit,
+            decision.latency,
+            decision.balance_latency,
+        )
         return True
 
     def _wait(self, tracked: Tracked) -> None:
         """No executor can take the request now: hold it until one can (or time out)."""
         tracked.waiting_since = time.monotonic()
         self.waiting[tracked.gen.request_id] = tracked
-        log.info("request %s waits for a healthy executor (%s)", tracked.gen.request_id,
-                 self.fleet_summary())
+        log.info(
+            "request %s waits for a healthy executor (%s)",
+            tracked.gen.request_id,
+            self.fleet_summary(),
+        )
 
     def relocate(self, moved: list[Tracked], source: ExecutorRunner, failover: bool) -> None:
         """Place requests taken from `source` elsewhere; they resume by recompute."""
@@ -314,8 +353,12 @@ class Engine:
             if not placed:
                 self._wait(tracked)
         if failover:
-            log.info("failover from %s: %d requests moved, %d waiting for an executor",
-                     source.address, len(moved), len(self.waiting))
+            log.info(
+                "failover from %s: %d requests moved, %d waiting for an executor",
+                source.address,
+                len(moved),
+                len(self.waiting),
+            )
 
     def _fail(self, tracked: Tracked, error: Exception) -> None:
         tracked.queue.put_nowait(error)
@@ -351,8 +394,11 @@ class Engine:
                 del self.waiting[rid]
             elif now - tracked.waiting_since >= self.config.no_executor_timeout:
                 del self.waiting[rid]
-                log.warning("request %s failed: no healthy executor for %.0fs", rid,
-                            now - tracked.waiting_since)
+                log.warning(
+                    "request %s failed: no healthy executor for %.0fs",
+                    rid,
+                    now - tracked.waiting_since,
+                )
                 self._fail(tracked, NoExecutorError(self.no_executor_message()))
 
     def _rebalance(self) -> None:

@@ -21,8 +21,14 @@ T = TypeVar("T")
 class HealthMonitor:
     """Health checks of one executor session, and the guard around its steps."""
 
-    def __init__(self, client: ExecutorClient, interval: float, timeout: float, failures: int,
-                 on_lost: Callable[[], None]):
+    def __init__(
+        self,
+        client: ExecutorClient,
+        interval: float,
+        timeout: float,
+        failures: int,
+        on_lost: Callable[[], None],
+    ):
         self.client = client  # the executor's client (its channel carries the checks)
         self.interval = interval  # seconds between checks
         self.timeout = timeout  # seconds one check may take
@@ -74,8 +80,9 @@ class HealthMonitor:
             else:
                 failed += 1
                 if failed >= self.failures:
-                    self.declare_lost(f"no health answer within {self.timeout:g}s, "
-                                      f"{failed} times in a row")
+                    self.declare_lost(
+                        f"no health answer within {self.timeout:g}s, {failed} times in a row"
+                    )
                     return
 
     async def guard(self, work: Awaitable[T]) -> T:

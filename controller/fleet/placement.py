@@ -250,8 +250,9 @@ def backlog_of(runner: ExecutorRunner, expected_output: float) -> tuple[int, int
     return uncomputed, decode
 
 
-def candidate_of(runner: ExecutorRunner, hashes: list[bytes], num_tokens: int,
-                 expected_output: float) -> Candidate:
+def candidate_of(
+    runner: ExecutorRunner, hashes: list[bytes], num_tokens: int, expected_output: float
+) -> Candidate:
     """A runner as a placement candidate for a sequence with these block hashes."""
     assert runner.scheduler is not None
     stats = runner.scheduler.stats()

@@ -79,9 +79,13 @@ class ExecutorRunner:
         self._queued: Counter[bytes] = Counter()  # block hashes of requests placed here
         self._base_prefix = (0, 0)  # prefix-cache (queries, hits) of earlier sessions
         self._wake = asyncio.Event()  # set when work arrives or the session must end
-        self.health = HealthMonitor(self.client, cfg.health_check_interval,
-                                    cfg.health_check_timeout, cfg.health_check_failures,
-                                    on_lost=self._wake.set)  # judges the session lost
+        self.health = HealthMonitor(
+            self.client,
+            cfg.health_check_interval,
+            cfg.health_check_timeout,
+            cfg.health_check_failures,
+            on_lost=self._wake.set,
+        )  # judges the session lost
         self._task: asyncio.Task | None = None  # the lifecycle
 
     # --- queries -----------------------------------------------------------------------
@@ -126,8 +130,10 @@ class ExecutorRunner:
     def prefix_counters(self) -> tuple[int, int]:
         """Prefix-cache (queries, hits) in tokens, over every session with this executor."""
         s = self.scheduler.stats() if self.scheduler else None
-        return (self._base_prefix[0] + (s.prefix_cache_queries if s else 0),
-                self._base_prefix[1] + (s.prefix_cache_hits if s else 0))
+        return (
+            self._base_prefix[0] + (s.prefix_cache_queries if s else 0),
+            self._base_prefix[1] + (s.prefix_cache_hits if s else 0),
+        )
 
     def can_start_now(self, num_tokens: int) -> bool:
         """Whether a request would be admitted by the next step (room, blocks, empty queue)."""
@@ -136,14 +142,21 @@ class ExecutorRunner:
             return False
         stats = sched.stats()
         free = self.num_blocks - 1 - stats.num_used_blocks
-        return (stats.num_waiting == 0 and stats.num_running < sched.config.max_num_seqs
-                and free * self.block_size > num_tokens)
+        return (
+            stats.num_waiting == 0
+            and stats.num_running < sched.config.max_num_seqs
+            and free * self.block_size > num_tokens
+        )
 
     def stale_waiting(self, placed_before: float) -> list[Tracked]:
         """Requests never admitted here that were placed before `placed_before` (monotonic)."""
-        return [t for t in self.tracked.values()
-                if t.request is not None and t.request.status is RequestStatus.WAITING
-                and t.placed_at < placed_before]
+        return [
+            t
+            for t in self.tracked.values()
+            if t.request is not None
+            and t.request.status is RequestStatus.WAITING
+            and t.placed_at < placed_before
+        ]
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -163,8 +176,12 @@ class ExecutorRunner:
         if self.leaving:
             return
         self.leaving = True
-        log.info("executor %s left discovery (%s): draining %d requests", self.address,
-                 self.state.value, len(self.tracked))
+        log.info(
+            "executor %s left discovery (%s): draining %d requests",
+            self.address,
+            self.state.value,
+            len(self.tracked),
+        )
         if self.state is RunnerState.HEALTHY:
             self._set_state(RunnerState.DRAINING)
         self._wake.set()
@@ -195,8 +212,7 @@ class ExecutorRunner:
                     self.engine.metrics.call_failed(self, exc)
                     error = repr(exc)[:300]
                     level = logging.INFO if error != self.connect_error else logging.DEBUG
-                    log.log(level, "executor %s: not connected (%s); retrying", self.address,
-                            error)
+                    log.log(level, "executor %s: not connected (%s); retrying", self.address, error)
                     self.connect_error = error
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, cfg.reconnect_backoff_max)
@@ -227,8 +243,13 @@ class ExecutorRunner:
                 self.engine.metrics.grpc_error(self, status)
             raise ExecutorLost(f"health: {status}")
         hs = await self.client.handshake(
-            cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len, cfg.seed,
-            cfg.num_kv_blocks, cfg.kind_limits, timeout=cfg.executor_startup_timeout,
+            cfg.max_num_batched_tokens,
+            cfg.max_num_seqs,
+            cfg.max_model_len,
+            cfg.seed,
+            cfg.num_kv_blocks,
+            cfg.kind_limits,
+            timeout=cfg.executor_startup_timeout,
         )
         self.engine.check_compatible(self, hs.info)
         sched_cfg = SchedulerConfig.for_executor(cfg, hs.info, hs.num_blocks)
@@ -243,7 +264,9 @@ class ExecutorRunner:
             self.reconnects += 1
             self.engine.metrics.executor_reconnected(self)
         if self.info is not None and (self.info.device_kind, self.info.device_name) != (
-                hs.info.device_kind, hs.info.device_name):
+            hs.info.device_kind,
+            hs.info.device_name,
+        ):
             self.cost = StepCostModel()  # another device now answers at this address
         if self.cost.steps == 0:
             self.cost.set_prior(*self.engine.fleet_cost_prior(self))
@@ -253,9 +276,15 @@ class ExecutorRunner:
         self.engine.metrics.scheduler_reset(self.address)
         log.info(
             "executor %s: %s (%s), incarnation %s%s, %d KV blocks of %d tokens, %d tokens/step, "
-            "warm-up %.1fs", self.address, hs.info.device_kind, hs.info.device_name,
-            hs.info.incarnation_id[:8], " (new)" if restarted else " (same process)",
-            hs.num_blocks, hs.info.kv_cache.block_size, sched_cfg.max_num_batched_tokens,
+            "warm-up %.1fs",
+            self.address,
+            hs.info.device_kind,
+            hs.info.device_name,
+            hs.info.incarnation_id[:8],
+            " (new)" if restarted else " (same process)",
+            hs.num_blocks,
+            hs.info.kv_cache.block_size,
+            sched_cfg.max_num_batched_tokens,
             hs.warmup_seconds,
         )
         self._set_state(RunnerState.DRAINING if self.leaving else RunnerState.HEALTHY)
@@ -269,8 +298,9 @@ class ExecutorRunner:
         """
         self.losses += 1
         self.last_loss = reason[:300]
-        log.warning("executor %s lost: %s; moving %d requests", self.address, reason,
-                    len(self.tracked))
+        log.warning(
+            "executor %s lost: %s; moving %d requests", self.address, reason, len(self.tracked)
+        )
         self.engine.metrics.executor_lost(self)
         self._set_state(RunnerState.UNHEALTHY)
         moved = list(self.tracked.values())
@@ -283,8 +313,10 @@ class ExecutorRunner:
         """Drop the session's scheduler (its blocks mean nothing now), keeping its counters."""
         if self.scheduler is not None:
             s = self.scheduler.stats()
-            self._base_prefix = (self._base_prefix[0] + s.prefix_cache_queries,
-                                 self._base_prefix[1] + s.prefix_cache_hits)
+            self._base_prefix = (
+                self._base_prefix[0] + s.prefix_cache_queries,
+                self._base_prefix[1] + s.prefix_cache_hits,
+            )
             self.scheduler = None
 
     # --- requests ----------------------------------------------------------------------
@@ -347,7 +379,8 @@ class ExecutorRunner:
             if len(inflight) < max(depth, 1) and sched.has_unfinished_requests():
                 if target > 0:  # a slow device's steps kept short (StepCostModel.step_budget)
                     sched.token_budget = self.cost.step_budget(
-                        target, sched.config.max_num_batched_tokens, sched.num_running + 1)
+                        target, sched.config.max_num_batched_tokens, sched.num_running + 1
+                    )
                 step = sched.schedule()
                 if step.num_requests:
                     sent = time.perf_counter()
@@ -378,8 +411,9 @@ class ExecutorRunner:
             self.tokens += num_tokens
             for update in updates:
                 self._emit(update, now)
-            self.engine.metrics.step_done(self, num_tokens, step.num_requests, seconds,
-                                          sched.stats())
+            self.engine.metrics.step_done(
+                self, num_tokens, step.num_requests, seconds, sched.stats()
+            )
 
     def _emit(self, update: RequestUpdate, now: float) -> None:
         tracked = self.tracked.get(update.request_id)

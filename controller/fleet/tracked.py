@@ -56,8 +56,13 @@ def hold_quietly(tracked: Tracked, update: RequestUpdate) -> bool:
     """Whether the update only adds tokens to a quiet request: then they stay in the request's
     output (counted in ``unsent_tokens``) until the delta that ends it carries them all. A
     non-streamed request with no stop string and no logprobs costs no delta per step."""
-    if (tracked.quiet and not update.finished and update.logprobs is None
-            and not update.prompt_logprobs and not update.error):
+    if (
+        tracked.quiet
+        and not update.finished
+        and update.logprobs is None
+        and not update.prompt_logprobs
+        and not update.error
+    ):
         tracked.unsent_tokens += len(update.new_token_ids)
         return True
     return False
@@ -73,7 +78,8 @@ def make_delta(tracked: Tracked, update: RequestUpdate) -> OutputDelta:
     new_token_ids = update.new_token_ids
     if tracked.unsent_tokens:
         new_token_ids = tracked.request.output_token_ids[
-            -(tracked.unsent_tokens + len(new_token_ids)):]
+            -(tracked.unsent_tokens + len(new_token_ids)) :
+        ]
         tracked.unsent_tokens = 0
     text, stopped = tracked.text.update(new_token_ids, finished)
     if stopped and not finished:
@@ -114,13 +120,19 @@ def deliver(tracked: Tracked, delta: OutputDelta) -> None:
         if not tracked.delivered:
             gen = tracked.gen
             tracked.delivered = True
-            tracked.quiet = (not gen.stream and gen.sampling.logprobs is None
-                             and tracked.text is not None and tracked.text.deferred)
+            tracked.quiet = (
+                not gen.stream
+                and gen.sampling.logprobs is None
+                and tracked.text is not None
+                and tracked.text.deferred
+            )
         tracked.queue.put_nowait(delta)
     elif held is None:  # a copy whose lists this request alone grows
-        tracked.held = replace(delta, token_ids=list(delta.token_ids),
-                               logprobs=None if delta.logprobs is None else list(delta.logprobs),
-                               prompt_logprobs=None if delta.prompt_logprobs is None
-                               else list(delta.prompt_logprobs))
+        tracked.held = replace(
+            delta,
+            token_ids=list(delta.token_ids),
+            logprobs=None if delta.logprobs is None else list(delta.logprobs),
+            prompt_logprobs=None if delta.prompt_logprobs is None else list(delta.prompt_logprobs),
+        )
     else:
         absorb(held, delta)

@@ -31,33 +31,51 @@ class FleetCollector(Collector):
     def collect(self):
         m = self.model_name
         ex = ["model_name", "executor", "accelerator"]
-        running = GaugeMetricFamily("vllm:num_requests_running",
-                                    "Requests running on executors", labels=["model_name"])
-        waiting = GaugeMetricFamily("vllm:num_requests_waiting",
-                                    "Requests waiting to be scheduled (fleet)",
-                                    labels=["model_name"])
-        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc",
-                                  "KV-cache usage of the fleet, 0-1 (used / all blocks)",
-                                  labels=["model_name"])
-        info = GaugeMetricFamily("vllm:cache_config_info", "KV-cache configuration",
-                                 labels=ex + ["block_size", "num_gpu_blocks",
-                                              "enable_prefix_caching"])
-        kinds = GaugeMetricFamily("tandem:executors", "Executors by accelerator and state",
-                                  labels=["model_name", "accelerator", "state"])
-        healthy = GaugeMetricFamily("tandem:executor_healthy",
-                                    "1 while the executor takes new work", labels=ex)
-        ex_running = GaugeMetricFamily("tandem:executor_requests_running",
-                                       "Requests running on the executor", labels=ex)
-        ex_waiting = GaugeMetricFamily("tandem:executor_requests_waiting",
-                                       "Requests queued for the executor", labels=ex)
-        ex_usage = GaugeMetricFamily("tandem:executor_kv_cache_usage_perc",
-                                     "KV-cache usage of the executor, 0-1", labels=ex)
-        ex_blocks = GaugeMetricFamily("tandem:executor_kv_blocks",
-                                      "KV blocks of the executor (null block excluded)",
-                                      labels=ex + ["state"])
-        no_executor = GaugeMetricFamily("tandem:requests_waiting_for_executor",
-                                        "Requests no healthy executor can take now",
-                                        labels=["model_name"])
+        running = GaugeMetricFamily(
+            "vllm:num_requests_running", "Requests running on executors", labels=["model_name"]
+        )
+        waiting = GaugeMetricFamily(
+            "vllm:num_requests_waiting",
+            "Requests waiting to be scheduled (fleet)",
+            labels=["model_name"],
+        )
+        usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage of the fleet, 0-1 (used / all blocks)",
+            labels=["model_name"],
+        )
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "KV-cache configuration",
+            labels=ex + ["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+        )
+        kinds = GaugeMetricFamily(
+            "tandem:executors",
+            "Executors by accelerator and state",
+            labels=["model_name", "accelerator", "state"],
+        )
+        healthy = GaugeMetricFamily(
+            "tandem:executor_healthy", "1 while the executor takes new work", labels=ex
+        )
+        ex_running = GaugeMetricFamily(
+            "tandem:executor_requests_running", "Requests running on the executor", labels=ex
+        )
+        ex_waiting = GaugeMetricFamily(
+            "tandem:executor_requests_waiting", "Requests queued for the executor", labels=ex
+        )
+        ex_usage = GaugeMetricFamily(
+            "tandem:executor_kv_cache_usage_perc", "KV-cache usage of the executor, 0-1", labels=ex
+        )
+        ex_blocks = GaugeMetricFamily(
+            "tandem:executor_kv_blocks",
+            "KV blocks of the executor (null block excluded)",
+            labels=ex + ["state"],
+        )
+        no_executor = GaugeMetricFamily(
+            "tandem:requests_waiting_for_executor",
+            "Requests no healthy executor can take now",
+            labels=["model_name"],
+        )
         counts: Counter[tuple[str, str]] = Counter()
         total_running = total_waiting = used_blocks = all_blocks = 0
         for runner in list(self.engine.runners.values()):
@@ -79,8 +97,15 @@ class FleetCollector(Collector):
             ex_usage.add_metric(labels, s.kv_usage)
             ex_blocks.add_metric(labels + ["used"], s.num_used_blocks)
             ex_blocks.add_metric(labels + ["total"], blocks)
-            info.add_metric(labels + [str(runner.block_size), str(runner.num_blocks),
-                                      str(self.engine.config.enable_prefix_caching)], 1.0)
+            info.add_metric(
+                labels
+                + [
+                    str(runner.block_size),
+                    str(runner.num_blocks),
+                    str(self.engine.config.enable_prefix_caching),
+                ],
+                1.0,
+            )
         for kind in sorted(set(ACCELERATORS) | {k for k, _ in counts}):
             for state in STATES:
                 kinds.add_metric([m, kind, state], counts.get((kind, state), 0))
@@ -89,8 +114,19 @@ class FleetCollector(Collector):
         waiting.add_metric([m], total_waiting + queued)
         usage.add_metric([m], used_blocks / all_blocks if all_blocks else 0.0)
         no_executor.add_metric([m], queued)
-        yield from (running, waiting, usage, info, kinds, healthy, ex_running, ex_waiting,
-                    ex_usage, ex_blocks, no_executor)
+        yield from (
+            running,
+            waiting,
+            usage,
+            info,
+            kinds,
+            healthy,
+            ex_running,
+            ex_waiting,
+            ex_usage,
+            ex_blocks,
+            no_executor,
+        )
 
     def describe(self):
         return []  # collected at scrape time only (the registry must not call collect early)

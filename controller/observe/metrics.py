@@ -29,11 +29,43 @@ if TYPE_CHECKING:
     from controller.fleet.tracked import Tracked
 
 _LATENCY_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
 )
 _STEP_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
 )
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 _REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -88,52 +120,85 @@ class EngineMetrics:
 
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens prefilled")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
-        self.request_success = counter("vllm:request_success", "Finished requests by reason",
-                                       ["finished_reason"])
+        self.request_success = counter(
+            "vllm:request_success", "Finished requests by reason", ["finished_reason"]
+        )
         self.preemptions = counter("vllm:num_preemptions", "Requests preempted")
-        self.prefix_queries = counter("vllm:prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache")
-        self.prefix_hits = counter("vllm:prefix_cache_hits",
-                                   "Prompt tokens found in the prefix cache")
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token",
-                              _LATENCY_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between tokens",
-                             _LATENCY_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency",
-                             _LATENCY_BUCKETS)
-        self.queue_time = histogram("vllm:request_queue_time_seconds",
-                                    "From arrival to first scheduled", _LATENCY_BUCKETS)
-        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
-                                      "From first scheduled to first token", _LATENCY_BUCKETS)
-        self.decode_time = histogram("vllm:request_decode_time_seconds",
-                                     "From first token to the last", _LATENCY_BUCKETS)
-        self.req_prompt = histogram("vllm:request_prompt_tokens", "Prompt tokens per request",
-                                    _TOKEN_BUCKETS)
-        self.req_gen = histogram("vllm:request_generation_tokens",
-                                 "Generated tokens per request", _TOKEN_BUCKETS)
-        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per step",
-                                          _TOKEN_BUCKETS)
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+        )
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache"
+        )
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Time between tokens", _LATENCY_BUCKETS
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Request latency", _LATENCY_BUCKETS
+        )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds", "From arrival to first scheduled", _LATENCY_BUCKETS
+        )
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "From first scheduled to first token",
+            _LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds", "From first token to the last", _LATENCY_BUCKETS
+        )
+        self.req_prompt = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request", _TOKEN_BUCKETS
+        )
+        self.req_gen = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request", _TOKEN_BUCKETS
+        )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Tokens per step", _TOKEN_BUCKETS
+        )
         # Fleet metrics (Tandem's own).
-        self.step_seconds = histogram("tandem:step_duration_seconds",
-                                      "Step round trip as the controller sees it", _STEP_BUCKETS)
-        self.step_requests = histogram("tandem:step_requests", "Requests per step",
-                                       _REQUEST_BUCKETS)
+        self.step_seconds = histogram(
+            "tandem:step_duration_seconds",
+            "Step round trip as the controller sees it",
+            _STEP_BUCKETS,
+        )
+        self.step_requests = histogram(
+            "tandem:step_requests", "Requests per step", _REQUEST_BUCKETS
+        )
         self.executor_losses = counter("tandem:executor_lost", "Executor sessions lost")
-        self.executor_reconnects = counter("tandem:executor_reconnects",
-                                           "Handshakes with an executor after it was lost")
-        self.grpc_errors = counter("tandem:executor_grpc_errors",
-                                   "Failed calls to an executor by gRPC status code", ["code"])
-        self.failovers = counter("tandem:requests_failed_over",
-                                 "Requests moved off a lost executor (resumed by recompute)")
-        self.failover_pause = histogram("tandem:failover_pause_seconds",
-                                        "From losing a request's executor to its next token "
-                                        "(labelled by the executor it resumed on)",
-                                        _LATENCY_BUCKETS)
-        self.rebalances = Counter("tandem:requests_rebalanced",
-                                  "Queued requests moved to an executor that could start them",
-                                  ["model_name"], registry=r)
-        self.placements = Counter("tandem:placements", "Placements by reason (affinity|load)",
-                                  ["model_name", "reason"], registry=r)
+        self.executor_reconnects = counter(
+            "tandem:executor_reconnects", "Handshakes with an executor after it was lost"
+        )
+        self.grpc_errors = counter(
+            "tandem:executor_grpc_errors",
+            "Failed calls to an executor by gRPC status code",
+            ["code"],
+        )
+        self.failovers = counter(
+            "tandem:requests_failed_over",
+            "Requests moved off a lost executor (resumed by recompute)",
+        )
+        self.failover_pause = histogram(
+            "tandem:failover_pause_seconds",
+            "From losing a request's executor to its next token "
+            "(labelled by the executor it resumed on)",
+            _LATENCY_BUCKETS,
+        )
+        self.rebalances = Counter(
+            "tandem:requests_rebalanced",
+            "Queued requests moved to an executor that could start them",
+            ["model_name"],
+            registry=r,
+        )
+        self.placements = Counter(
+            "tandem:placements",
+            "Placements by reason (affinity|load)",
+            ["model_name", "reason"],
+            registry=r,
+        )
         for reason in ("affinity", "load"):
             self.placements.labels(model_name, reason)
         self.rebalances.labels(model_name)
@@ -152,19 +217,24 @@ class EngineMetrics:
     def _bind(self, executor: str, accelerator: str) -> ExecutorSeries:
         labels = (self.model_name, executor, accelerator)
         s = ExecutorSeries(
-            executor=executor, accelerator=accelerator,
+            executor=executor,
+            accelerator=accelerator,
             prompt_tokens=self.prompt_tokens.labels(*labels),
             generation_tokens=self.generation_tokens.labels(*labels),
-            success={reason: self.request_success.labels(*labels, reason)
-                     for reason in FINISH_REASONS},
+            success={
+                reason: self.request_success.labels(*labels, reason) for reason in FINISH_REASONS
+            },
             preemptions=self.preemptions.labels(*labels),
             prefix_queries=self.prefix_queries.labels(*labels),
             prefix_hits=self.prefix_hits.labels(*labels),
-            ttft=self.ttft.labels(*labels), itl=self.itl.labels(*labels),
-            e2e=self.e2e.labels(*labels), queue_time=self.queue_time.labels(*labels),
+            ttft=self.ttft.labels(*labels),
+            itl=self.itl.labels(*labels),
+            e2e=self.e2e.labels(*labels),
+            queue_time=self.queue_time.labels(*labels),
             prefill_time=self.prefill_time.labels(*labels),
             decode_time=self.decode_time.labels(*labels),
-            req_prompt=self.req_prompt.labels(*labels), req_gen=self.req_gen.labels(*labels),
+            req_prompt=self.req_prompt.labels(*labels),
+            req_gen=self.req_gen.labels(*labels),
             iteration_tokens=self.iteration_tokens.labels(*labels),
             step_seconds=self.step_seconds.labels(*labels),
             step_requests=self.step_requests.labels(*labels),
@@ -199,8 +269,9 @@ class EngineMetrics:
                 queue_time = queue_time or self.series(runner).queue_time
                 queue_time.observe(now - tracked.arrival)
 
-    def tokens_generated(self, runner: ExecutorRunner, tracked: Tracked, count: int,
-                         now: float) -> None:
+    def tokens_generated(
+        self, runner: ExecutorRunner, tracked: Tracked, count: int, now: float
+    ) -> None:
         """A request got `count` tokens at `now`. The token count and the inter-token latency
         are folded in at the step's `step_done`: the requests of a decode step share one
         latency (the time since the previous step), observed once with their number."""
@@ -217,8 +288,13 @@ class EngineMetrics:
             self._step_itl[gap] = self._step_itl.get(gap, 0) + 1
         tracked.last_token_at = now
 
-    def request_finished(self, reason: str | None, tracked: Tracked | None = None,
-                         now: float | None = None, runner: ExecutorRunner | None = None) -> None:
+    def request_finished(
+        self,
+        reason: str | None,
+        tracked: Tracked | None = None,
+        now: float | None = None,
+        runner: ExecutorRunner | None = None,
+    ) -> None:
         s = self.series(runner)
         s.success.get(reason or "abort", s.success["abort"]).inc()
         if tracked is not None:
@@ -265,8 +341,9 @@ class EngineMetrics:
         """An executor's scheduler was rebuilt: its cumulative counters start over."""
         self._last.pop(key, None)
 
-    def step_done(self, runner: ExecutorRunner, num_tokens: int, num_requests: int,
-                  seconds: float, stats) -> None:
+    def step_done(
+        self, runner: ExecutorRunner, num_tokens: int, num_requests: int, seconds: float, stats
+    ) -> None:
         """Observe a step and fold the scheduler's cumulative counters in."""
         s = self.series(runner)
         if self._step_tokens:

@@ -25,15 +25,29 @@ def paged_attention_of(module):
     """The attention backend over the built kernels (bound once: no lookup per layer call)."""
     kernel, supports = module.paged_attention, module.paged_attention_supports
 
-    def backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor | None, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+    def backend(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """query [T, heads, d], key / value [T, kv_heads, d] -> [T, heads, d]; the new keys
         and values are written to ``meta.slot_mapping`` first."""
         if kv_cache is None or not supports(query.shape[-1]):
             return torch_paged_attention(query, key, value, kv_cache, meta, scale)
-        return kernel(query, key, value, meta.slot_mapping, kv_cache, meta.block_tables,
-                      meta.seq_lens, meta.query_start_loc, scale)
+        return kernel(
+            query,
+            key,
+            value,
+            meta.slot_mapping,
+            kv_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            scale,
+        )
 
     return backend
 

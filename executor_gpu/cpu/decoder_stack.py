@@ -23,10 +23,18 @@ def _layer_tensors(layer, empty: torch.Tensor) -> list[torch.Tensor] | None:
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if any(lin.weight.dim() != 3 for lin in linears):
         return None
-    qkv, o, gate_up, down = ((lin.weight, lin.bias if lin.bias is not None else empty)
-                             for lin in linears)
-    return [layer.input_layernorm.weight, *qkv, *o, layer.post_attention_layernorm.weight,
-            *gate_up, *down, attn.kv_cache]
+    qkv, o, gate_up, down = (
+        (lin.weight, lin.bias if lin.bias is not None else empty) for lin in linears
+    )
+    return [
+        layer.input_layernorm.weight,
+        *qkv,
+        *o,
+        layer.post_attention_layernorm.weight,
+        *gate_up,
+        *down,
+        attn.kv_cache,
+    ]
 
 
 def stack_forward_of(module, model, backend) -> StackForward:
@@ -52,17 +60,32 @@ def stack_forward_of(module, model, backend) -> StackForward:
             built_for = cache
         return flat
 
-    def forward(x: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor | None:
-        if (not supported or layers[0].self_attn.kv_cache is None
-                or layers[0].self_attn.backend is not backend):
+    def forward(
+        x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        if (
+            not supported
+            or layers[0].self_attn.kv_cache is None
+            or layers[0].self_attn.backend is not backend
+        ):
             return None
         tensors = flat_tensors()
         if tensors is None:
             return None
-        return kernel(x, tensors, model.model.norm.weight, positions, model.model.rotary.cos_sin,
-                      meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                      meta.query_start_loc, args.num_heads, args.num_kv_heads,
-                      args.rms_norm_eps, layers[0].self_attn.scale)
+        return kernel(
+            x,
+            tensors,
+            model.model.norm.weight,
+            positions,
+            model.model.rotary.cos_sin,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            args.num_heads,
+            args.num_kv_heads,
+            args.rms_norm_eps,
+            layers[0].self_attn.scale,
+        )
 
     return forward

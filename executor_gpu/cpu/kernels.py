@@ -19,9 +19,16 @@ import torch
 log = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_HERE, name) for name in (
-    "kernels.cpp", "paged_attention.cpp", "layer_ops.cpp", "packed_linear.cpp",
-    "decoder_stack.cpp")]
+_SOURCES = [
+    os.path.join(_HERE, name)
+    for name in (
+        "kernels.cpp",
+        "paged_attention.cpp",
+        "layer_ops.cpp",
+        "packed_linear.cpp",
+        "decoder_stack.cpp",
+    )
+]
 # -fopenmp: at::parallel_for splits work over torch's OpenMP team (without it, it runs on one
 # thread; the linker's libgomp.so.1 is the one torch already loaded); -fno-trapping-math lets
 # branch-free selects vectorize.
@@ -33,7 +40,8 @@ _state: dict[str, object] = {}  # "module" once built, "error" once failed
 
 def _build_dir() -> str:
     root = os.environ.get("TANDEM_EXTENSIONS_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "tandem", "torch_extensions")
+        os.path.expanduser("~"), ".cache", "tandem", "torch_extensions"
+    )
     path = os.path.join(root, f"torch-{torch.__version__}")
     os.makedirs(path, exist_ok=True)
     return path
@@ -56,10 +64,15 @@ def load_kernels():
             bin_dir = os.path.dirname(sys.executable)
             if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
                 os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-            module = load(name="tandem_cpu_kernels", sources=_SOURCES, extra_cflags=_CFLAGS,
-                          extra_ldflags=_LDFLAGS,
-                          extra_include_paths=[_HERE], build_directory=_build_dir(),
-                          verbose=False)
+            module = load(
+                name="tandem_cpu_kernels",
+                sources=_SOURCES,
+                extra_cflags=_CFLAGS,
+                extra_ldflags=_LDFLAGS,
+                extra_include_paths=[_HERE],
+                build_directory=_build_dir(),
+                verbose=False,
+            )
         except Exception as exc:  # no compiler, no ninja, ...: the torch path serves
             _state["error"] = exc
             log.warning("CPU kernels unavailable (%s); using the torch implementations", exc)

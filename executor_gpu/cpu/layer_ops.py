@@ -36,17 +36,27 @@ def layer_ops_of(module) -> LayerOps:
             return packed_linear(hidden, weight, None)
         return torch_logits(hidden, weight)
 
-    def rope_for_step(table: torch.Tensor, positions: torch.Tensor,
-                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_for_step(
+        table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return table, positions  # the kernel indexes the table itself
 
-    def rotary(x: torch.Tensor, n: int, rope: tuple[torch.Tensor, torch.Tensor]
-               ) -> torch.Tensor:
+    def rotary(x: torch.Tensor, n: int, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         rotary_(x, n, rope[1], rope[0])
         return x[:, :n]
 
-    return LayerOps("cpu_fused", prepare_linear, linear, module.rms_norm, module.add_rms_norm_,
-                    rope_for_step, rotary, module.silu_and_mul, prepare_logits, logits)
+    return LayerOps(
+        "cpu_fused",
+        prepare_linear,
+        linear,
+        module.rms_norm,
+        module.add_rms_norm_,
+        rope_for_step,
+        rotary,
+        module.silu_and_mul,
+        prepare_logits,
+        logits,
+    )
 
 
 def layer_ops() -> LayerOps | None:

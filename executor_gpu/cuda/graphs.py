@@ -29,8 +29,9 @@ from common.torch.attention import AttentionMetadata
 log = logging.getLogger(__name__)
 
 #: (input_ids [B], positions [B], metadata) -> (hidden [B, H], float32 logits [B, vocab])
-DecodeForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata],
-                         tuple[torch.Tensor, torch.Tensor]]
+DecodeForward = Callable[
+    [torch.Tensor, torch.Tensor, AttentionMetadata], tuple[torch.Tensor, torch.Tensor]
+]
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -46,8 +47,15 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Captured decode passes over static buffers, and their replay."""
 
-    def __init__(self, forward: DecodeForward, sizes: list[int], max_blocks: int,
-                 block_size: int, device: torch.device, capture: bool = True):
+    def __init__(
+        self,
+        forward: DecodeForward,
+        sizes: list[int],
+        max_blocks: int,
+        block_size: int,
+        device: torch.device,
+        capture: bool = True,
+    ):
         self.forward = forward  # the pass to capture
         self.sizes = sorted(set(sizes))  # captured batch sizes, ascending
         self.block_size = block_size
@@ -67,11 +75,16 @@ class DecodeGraphs:
 
     def _metadata(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
-            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
-            block_size=self.block_size, num_decodes=size,
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            block_size=self.block_size,
+            num_decodes=size,
             max_decode_seq_len=self.block_tables.shape[1] * self.block_size,
-            query_start_loc_host=list(range(size + 1)), seq_lens_host=[1] * size)
+            query_start_loc_host=list(range(size + 1)),
+            seq_lens_host=[1] * size,
+        )
 
     def _run(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.forward(self.input_ids[:size], self.positions[:size], self._metadata(size))
@@ -103,20 +116,26 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.sizes, num_rows)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Hidden states and logits [n, ...] of a pure decode step of n rows, by replay; None
         when the step is not one (the caller runs it eagerly)."""
         n = input_ids.shape[0]
         size = self.padded_size(n)
-        if (size is None or n == 0 or meta.num_decodes != n or meta.num_requests != n
-                or meta.block_tables.shape[1] > self.block_tables.shape[1]):
+        if (
+            size is None
+            or n == 0
+            or meta.num_decodes != n
+            or meta.num_requests != n
+            or meta.block_tables.shape[1] > self.block_tables.shape[1]
+        ):
             return None
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens)
-        self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables)
         if size > n:  # rows a larger earlier step left: back to padding
             self.slot_mapping[n:size].zero_()
             self.seq_lens[n:size].fill_(1)

@@ -43,15 +43,43 @@ MAX_PARTS = 8
 
 
 @triton.jit
-def _paged_decode_kernel(out_ptr, q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, scale,
-                         q_stride_t, q_stride_h, out_stride_t, out_stride_h,
-                         kv_stride_side, kv_stride_block, kv_stride_slot, kv_stride_head,
-                         table_stride, block_size,
-                         k_new_ptr, v_new_ptr, slots_ptr, kn_stride_t, kn_stride_h, vn_stride_t,
-                         vn_stride_h, part_m_ptr, part_l_ptr, part_acc_ptr, num_heads,
-                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         DIM_PAD: tl.constexpr, TILE_TOKENS: tl.constexpr,
-                         PRECISION: tl.constexpr, STORE_KV: tl.constexpr, PARTS: tl.constexpr):
+def _paged_decode_kernel(
+    out_ptr,
+    q_ptr,
+    cache_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    scale,
+    q_stride_t,
+    q_stride_h,
+    out_stride_t,
+    out_stride_h,
+    kv_stride_side,
+    kv_stride_block,
+    kv_stride_slot,
+    kv_stride_head,
+    table_stride,
+    block_size,
+    k_new_ptr,
+    v_new_ptr,
+    slots_ptr,
+    kn_stride_t,
+    kn_stride_h,
+    vn_stride_t,
+    vn_stride_h,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    num_heads,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    TILE_TOKENS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    STORE_KV: tl.constexpr,
+    PARTS: tl.constexpr,
+):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -70,16 +98,17 @@ def _paged_decode_kernel(out_ptr, q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, sc
         if (seq_len - 1 >= start) & (seq_len - 1 < end):
             new_slot = tl.load(slots_ptr + req)
             dst = cache_ptr + new_slot * kv_stride_slot + kv_head * kv_stride_head + d
-            k_new = tl.load(k_new_ptr + req * kn_stride_t + kv_head * kn_stride_h + d,
-                            mask=d_ok)
-            v_new = tl.load(v_new_ptr + req * vn_stride_t + kv_head * vn_stride_h + d,
-                            mask=d_ok)
+            k_new = tl.load(k_new_ptr + req * kn_stride_t + kv_head * kn_stride_h + d, mask=d_ok)
+            v_new = tl.load(v_new_ptr + req * vn_stride_t + kv_head * vn_stride_h + d, mask=d_ok)
             tl.store(dst, k_new.to(cache_ptr.dtype.element_ty), mask=d_ok)
             tl.store(dst + kv_stride_side, v_new.to(cache_ptr.dtype.element_ty), mask=d_ok)
             tl.debug_barrier()  # the program's threads read the slot back below
     # The group's queries as the rows of a matrix product (rows past the group are zero).
-    q = tl.load(q_ptr + req * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + req * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
+        mask=g_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max per query head
     l_i = tl.zeros([GROUP_PAD], tl.float32)  # running softmax denominator
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)  # running weighted sum of values
@@ -106,8 +135,11 @@ def _paged_decode_kernel(out_ptr, q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, sc
     mask = g_ok[:, None] & d_ok[None, :]
     if PARTS == 1:
         out = acc / l_i[:, None]
-        tl.store(out_ptr + req * out_stride_t + heads[:, None] * out_stride_h + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            out_ptr + req * out_stride_t + heads[:, None] * out_stride_h + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
     else:  # unnormalized partials; an empty partition leaves m = -inf, l = 0, acc = 0
         row = (req * num_heads + heads) * PARTS + part
         tl.store(part_m_ptr + row, m_i, mask=g_ok)
@@ -116,9 +148,18 @@ def _paged_decode_kernel(out_ptr, q_ptr, cache_ptr, tables_ptr, seq_lens_ptr, sc
 
 
 @triton.jit
-def _combine_parts_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_stride_t,
-                          out_stride_h, num_heads, HEAD_DIM: tl.constexpr,
-                          DIM_PAD: tl.constexpr, PARTS: tl.constexpr):
+def _combine_parts_kernel(
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    out_stride_t,
+    out_stride_h,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    PARTS: tl.constexpr,
+):
     req = tl.program_id(0)
     head = tl.program_id(1)
     r = (req * num_heads + head) * PARTS + tl.arange(0, PARTS)
@@ -128,8 +169,11 @@ def _combine_parts_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_str
     total = tl.sum(weight * tl.load(part_l_ptr + r), axis=0)
     acc = tl.load(part_acc_ptr + r[:, None] * DIM_PAD + d[None, :])
     out = tl.sum(weight[:, None] * acc, axis=0) / total
-    tl.store(out_ptr + req * out_stride_t + head * out_stride_h + d,
-             out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(
+        out_ptr + req * out_stride_t + head * out_stride_h + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
 
 
 def tile_for(dim_pad: int, element_size: int) -> int:
@@ -155,10 +199,18 @@ def partitions_for(num_requests: int, kv_heads: int, device: torch.device) -> in
     return parts
 
 
-def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, key: torch.Tensor | None = None,
-                           value: torch.Tensor | None = None, slots: torch.Tensor | None = None,
-                           parts: int = 0, tile: int = 0) -> torch.Tensor:
+def paged_decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
+    parts: int = 0,
+    tile: int = 0,
+) -> torch.Tensor:
     """Attention of N single-token queries ([N, heads, d], any strides with a unit last one) to
     their cached contexts; returns [N, heads, d] in the query's dtype.
 
@@ -187,34 +239,85 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     if parts > 1:
         part_m = torch.empty(n * num_heads * parts, dtype=torch.float32, device=query.device)
         part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(n * num_heads * parts, dim_pad, dtype=torch.float32,
-                               device=query.device)
+        part_acc = torch.empty(
+            n * num_heads * parts, dim_pad, dtype=torch.float32, device=query.device
+        )
     else:
         part_m = part_l = part_acc = out  # (unused)
     _paged_decode_kernel[(n, kv_heads, parts)](
-        out, query, kv_cache, tables, seq_lens, scale,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        tables.stride(0), block_size,
-        k_new, v_new, slots if store else seq_lens, k_new.stride(0), k_new.stride(1),
-        v_new.stride(0), v_new.stride(1), part_m, part_l, part_acc, num_heads,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        DIM_PAD=dim_pad, TILE_TOKENS=tile or tile_for(dim_pad, kv_cache.element_size()),
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", STORE_KV=store,
-        PARTS=parts, num_warps=4)
+        out,
+        query,
+        kv_cache,
+        tables,
+        seq_lens,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        tables.stride(0),
+        block_size,
+        k_new,
+        v_new,
+        slots if store else seq_lens,
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        part_m,
+        part_l,
+        part_acc,
+        num_heads,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        DIM_PAD=dim_pad,
+        TILE_TOKENS=tile or tile_for(dim_pad, kv_cache.element_size()),
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        STORE_KV=store,
+        PARTS=parts,
+        num_warps=4,
+    )
     if parts > 1:
         _combine_parts_kernel[(n, num_heads)](
-            out, part_m, part_l, part_acc, out.stride(0), out.stride(1), num_heads,
-            HEAD_DIM=head_dim, DIM_PAD=dim_pad, PARTS=parts, num_warps=4)
+            out,
+            part_m,
+            part_l,
+            part_acc,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad,
+            PARTS=parts,
+            num_warps=4,
+        )
     return out
 
 
-def _decode(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-            scale: float, key: torch.Tensor | None = None,
-            value: torch.Tensor | None = None) -> torch.Tensor:
+def _decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+) -> torch.Tensor:
     n = query.shape[0]
-    return paged_decode_attention(query, kv_cache, meta.block_tables[:n], meta.seq_lens[:n],
-                                  scale, key, value, meta.slot_mapping[:n])
+    return paged_decode_attention(
+        query,
+        kv_cache,
+        meta.block_tables[:n],
+        meta.seq_lens[:n],
+        scale,
+        key,
+        value,
+        meta.slot_mapping[:n],
+    )
 
 
 _decode.stores_kv = True  # paged_attention_with leaves the decodes' cache writes to it

@@ -22,16 +22,26 @@ from common.torch.models.layer_ops import TORCH_LAYER_OPS, LayerOps
 
 
 @triton.jit
-def _rms_norm_kernel(out_ptr, x_ptr, res_ptr, w_ptr, hidden, eps, x_stride, res_stride,
-                     out_stride, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    out_ptr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    hidden,
+    eps,
+    x_stride,
+    res_stride,
+    out_stride,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
     x = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         res = res_ptr + row * res_stride + cols
-        total = (x + tl.load(res, mask=ok, other=0.0).to(tl.float32)).to(
-            res_ptr.dtype.element_ty)
+        total = (x + tl.load(res, mask=ok, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
         tl.store(res, total, mask=ok)
         x = total.to(tl.float32)  # the norm reads the stored (rounded) residual
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
@@ -42,8 +52,18 @@ def _rms_norm_kernel(out_ptr, x_ptr, res_ptr, w_ptr, hidden, eps, x_stride, res_
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, table_ptr, pos_ptr, num_heads, x_stride_t, x_stride_h, table_stride,
-                   HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
+def _rotary_kernel(
+    x_ptr,
+    table_ptr,
+    pos_ptr,
+    num_heads,
+    x_stride_t,
+    x_stride_h,
+    table_stride,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok)
     i = tl.arange(0, HALF_PAD)
@@ -70,16 +90,27 @@ def _silu_and_mul_kernel(out_ptr, x_ptr, inter, x_stride, out_stride, BLOCK: tl.
     tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-          eps: float) -> torch.Tensor:
+def _norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.shape[0]:
         block = triton.next_power_of_2(x.shape[1])
         res = x if residual is None else residual
-        _rms_norm_kernel[(x.shape[0],)](out, x, res, weight, x.shape[1], eps, x.stride(0),
-                                        res.stride(0), out.stride(0),
-                                        HAS_RESIDUAL=residual is not None, BLOCK=block,
-                                        num_warps=max(1, min(16, block // 256)))
+        _rms_norm_kernel[(x.shape[0],)](
+            out,
+            x,
+            res,
+            weight,
+            x.shape[1],
+            eps,
+            x.stride(0),
+            res.stride(0),
+            out.stride(0),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=max(1, min(16, block // 256)),
+        )
     return out
 
 
@@ -88,14 +119,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _norm(x, None, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> torch.Tensor:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
     """RMSNorm(residual + x) * weight; residual becomes residual + x in place."""
     return _norm(x, residual, weight, eps)
 
 
-def rope_for_step(table: torch.Tensor, positions: torch.Tensor,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_for_step(
+    table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel indexes the float32 cos|sin table itself. Positions are not range-checked
     here: the input batch rejects sequences past the model's length, which the table covers."""
     return table, positions
@@ -106,10 +139,19 @@ def rotary(x: torch.Tensor, n: int, rope: tuple[torch.Tensor, torch.Tensor]) -> 
     table, positions = rope
     if x.shape[0]:
         half = x.shape[2] // 2
-        _rotary_kernel[(x.shape[0],)](x, table, positions, n, x.stride(0), x.stride(1),
-                                      table.stride(0), HALF=half,
-                                      HALF_PAD=triton.next_power_of_2(half),
-                                      HEADS_PAD=triton.next_power_of_2(n), num_warps=4)
+        _rotary_kernel[(x.shape[0],)](
+            x,
+            table,
+            positions,
+            n,
+            x.stride(0),
+            x.stride(1),
+            table.stride(0),
+            HALF=half,
+            HALF_PAD=triton.next_power_of_2(half),
+            HEADS_PAD=triton.next_power_of_2(n),
+            num_warps=4,
+        )
     return x[:, :n]
 
 
@@ -120,11 +162,21 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows:
         block = min(1024, triton.next_power_of_2(inter))
         _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
-            out, gate_up, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+            out, gate_up, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4
+        )
     return out
 
 
 #: The CUDA set: Triton elementwise kernels; cuBLAS for the linear layers and the logits.
-CUDA_LAYER_OPS = LayerOps("cuda_fused", TORCH_LAYER_OPS.prepare_linear, TORCH_LAYER_OPS.linear,
-                          rms_norm, add_rms_norm, rope_for_step, rotary, silu_and_mul,
-                          TORCH_LAYER_OPS.prepare_logits, TORCH_LAYER_OPS.logits)
+CUDA_LAYER_OPS = LayerOps(
+    "cuda_fused",
+    TORCH_LAYER_OPS.prepare_linear,
+    TORCH_LAYER_OPS.linear,
+    rms_norm,
+    add_rms_norm,
+    rope_for_step,
+    rotary,
+    silu_and_mul,
+    TORCH_LAYER_OPS.prepare_logits,
+    TORCH_LAYER_OPS.logits,
+)

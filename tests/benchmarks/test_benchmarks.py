@@ -18,29 +18,46 @@ LATENCY_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
 
 def run_script(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_workload_helpers():
     assert parse_range("7") == (7, 7) and parse_range("3:9") == (3, 9)
-    specs = make_requests(Workload(num_prompts=6, input_len=(4, 8), output_len=(2, 5),
-                                   shared_prefix_len=10, num_prefix_groups=2))
+    specs = make_requests(
+        Workload(
+            num_prompts=6,
+            input_len=(4, 8),
+            output_len=(2, 5),
+            shared_prefix_len=10,
+            num_prefix_groups=2,
+        )
+    )
     assert len(specs) == 6 and all(2 <= s.output_len <= 5 for s in specs)
     prefixes = {" ".join(s.prompt.split()[:10]) for s in specs}
     assert len(prefixes) == 2
     stats = percentiles([1.0, 2.0, 3.0, 4.0], scale=1.0)
     assert stats["mean"] == 2.5 and stats["p50"] == 2.5 and stats["p99"] == pytest.approx(3.97)
-    table = format_table({"tandem": {"request_throughput": 2.0, "output_throughput": 100.0},
-                          "hf_static": {"request_throughput": 1.0, "output_throughput": 50.0}})
+    table = format_table(
+        {
+            "tandem": {"request_throughput": 2.0, "output_throughput": 100.0},
+            "hf_static": {"request_throughput": 1.0, "output_throughput": 50.0},
+        }
+    )
     assert table.splitlines()[-1].split()[-1] == "2.00"
 
 
 @pytest.fixture(scope="module")
 def sim_server(default_model_dir, tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("bench"))
-    proc, port = spawn_executor("executor_sim", default_model_dir, tmp, "sim",
-                                extra=["--num-blocks", "512", "--step-fixed-ms", "2"])
+    proc, port = spawn_executor(
+        "executor_sim",
+        default_model_dir,
+        tmp,
+        "sim",
+        extra=["--num-blocks", "512", "--step-fixed-ms", "2"],
+    )
     server = spawn_controller(default_model_dir, tmp, ["--executor", f"127.0.0.1:{port}"])
     server.executors.append(proc)
     try:
@@ -52,10 +69,28 @@ def sim_server(default_model_dir, tmp_path_factory):
 
 def test_serve_benchmark_reports(sim_server, tmp_path):
     out = tmp_path / "serve.json"
-    proc = run_script(["benchmarks/serve.py", "--base-url", sim_server.base_url,
-                       "--num-prompts", "6", "--concurrency", "3", "--request-rate", "50",
-                       "--input-len", "8:16", "--output-len", "8", "--shared-prefix-len", "4",
-                       "--result-json", str(out)], timeout=120)
+    proc = run_script(
+        [
+            "benchmarks/serve.py",
+            "--base-url",
+            sim_server.base_url,
+            "--num-prompts",
+            "6",
+            "--concurrency",
+            "3",
+            "--request-rate",
+            "50",
+            "--input-len",
+            "8:16",
+            "--output-len",
+            "8",
+            "--shared-prefix-len",
+            "4",
+            "--result-json",
+            str(out),
+        ],
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(out.read_text())
     assert summary["completed"] == 6 and summary["failed"] == 0
@@ -70,13 +105,32 @@ def test_serve_benchmark_reports(sim_server, tmp_path):
 
 def test_controlplane_tiny_grid(default_model_dir, tmp_path):
     out = tmp_path / "cp.json"
-    proc = run_script(["benchmarks/controlplane.py", "--model", default_model_dir,
-                       "--running", "16", "--executors", "1", "--window", "1.5",
-                       "--settle", "0.3", "--output-len", "512", "--json", str(out),
-                       "--log-dir", str(tmp_path / "logs")], timeout=180)
+    proc = run_script(
+        [
+            "benchmarks/controlplane.py",
+            "--model",
+            default_model_dir,
+            "--running",
+            "16",
+            "--executors",
+            "1",
+            "--window",
+            "1.5",
+            "--settle",
+            "0.3",
+            "--output-len",
+            "512",
+            "--json",
+            str(out),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr + "".join(
         open(os.path.join(tmp_path / "logs", f)).read()[-2000:]
-        for f in os.listdir(tmp_path / "logs"))
+        for f in os.listdir(tmp_path / "logs")
+    )
     (point,) = json.loads(out.read_text())["points"]
     assert point["executors"] == 1 and point["running"] == 16
     assert 0 < point["busy_fraction"] <= 1.0
@@ -86,9 +140,22 @@ def test_controlplane_tiny_grid(default_model_dir, tmp_path):
 
 def test_controller_step_benchmark(default_model_dir, tmp_path):
     out = tmp_path / "cs.json"
-    run = run_script(["benchmarks/controller_step.py", "--model", default_model_dir,
-                      "--running", "4,12", "--steps", "30", "--output-len", "16",
-                      "--json", str(out)], timeout=180)
+    run = run_script(
+        [
+            "benchmarks/controller_step.py",
+            "--model",
+            default_model_dir,
+            "--running",
+            "4,12",
+            "--steps",
+            "30",
+            "--output-len",
+            "16",
+            "--json",
+            str(out),
+        ],
+        timeout=180,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     points = json.loads(out.read_text())["points"]
     assert [p["running"] for p in points] == [4, 12]
@@ -99,12 +166,27 @@ def test_controller_step_benchmark(default_model_dir, tmp_path):
 
 def test_cpu_step_benchmark_times_every_variant(default_model_dir, tmp_path):
     out = tmp_path / "cpu_step.json"
-    run = run_script(["benchmarks/cpu_step.py", "--model", default_model_dir, "--batch-sizes",
-                      "1,3", "--context", "20", "--steps", "2", "--json", str(out)], timeout=600)
+    run = run_script(
+        [
+            "benchmarks/cpu_step.py",
+            "--model",
+            default_model_dir,
+            "--batch-sizes",
+            "1,3",
+            "--context",
+            "20",
+            "--steps",
+            "2",
+            "--json",
+            str(out),
+        ],
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads(out.read_text())["results"]
     assert {(r["batch"], r["variant"]) for r in rows} == {
-        (b, v) for b in (1, 3) for v in ("torch", "fused", "packed")}
+        (b, v) for b in (1, 3) for v in ("torch", "fused", "packed")
+    }
     for r in rows:
         assert r["decode_step_ms"] > 0 and r["prefill_s"] > 0 and r["speedup"] > 0
         assert r["decode_tok_s"] == pytest.approx(r["batch"] * 1e3 / r["decode_step_ms"])
@@ -114,8 +196,21 @@ def test_gpu_step_benchmark_smoke_on_the_cpu(tmp_path):
     """The GPU script's own code on the CPU (tiny model, no graphs): its token-identity check
     against transformers passes and every timing section reports."""
     out = tmp_path / "gpu_step.json"
-    run = run_script(["benchmarks/gpu_step.py", "--smoke", "--batch-sizes", "1,3", "--context",
-                      "20", "--long-context", "40", "--json", str(out)], timeout=600)
+    run = run_script(
+        [
+            "benchmarks/gpu_step.py",
+            "--smoke",
+            "--batch-sizes",
+            "1,3",
+            "--context",
+            "20",
+            "--long-context",
+            "40",
+            "--json",
+            str(out),
+        ],
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["tiny_vs_hf"]["token_identical"] == report["tiny_vs_hf"]["requests"] == 4

@@ -60,15 +60,24 @@ def _build_renderer() -> Path:
         return binary
     if not _go_ready():
         if not shutil.which("apt-get"):
-            pytest.skip("no helm binary, no Go toolchain with sprig, and no apt-get to install "
-                        "them: the chart cannot be rendered on this machine")
+            pytest.skip(
+                "no helm binary, no Go toolchain with sprig, and no apt-get to install "
+                "them: the chart cannot be rendered on this machine"
+            )
         subprocess.run(["bash", str(RENDERER_SRC / "install_deps.sh")], check=True)
     CACHE.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, GO111MODULE="off", GOPATH=GOPATH, CGO_ENABLED="0",
-               GOCACHE=str(CACHE / "gocache"), GOFLAGS="")
+    env = dict(
+        os.environ,
+        GO111MODULE="off",
+        GOPATH=GOPATH,
+        CGO_ENABLED="0",
+        GOCACHE=str(CACHE / "gocache"),
+        GOFLAGS="",
+    )
     tmp = binary.with_suffix(".tmp")
-    subprocess.run(["go", "build", "-o", str(tmp), "."], cwd=RENDERER_SRC, env=env, check=True,
-                   timeout=600)
+    subprocess.run(
+        ["go", "build", "-o", str(tmp), "."], cwd=RENDERER_SRC, env=env, check=True, timeout=600
+    )
     tmp.replace(binary)
     return binary
 
@@ -96,8 +105,9 @@ class Renderer:
     helm: str | None
     binary: Path | None
 
-    def _run(self, chart: Path, files: list[Path], release: str, namespace: str,
-             notes: bool) -> str:
+    def _run(
+        self, chart: Path, files: list[Path], release: str, namespace: str, notes: bool
+    ) -> str:
         if self.helm:
             cmd = [self.helm, "template", release, str(chart), "-n", namespace]
         else:
@@ -124,9 +134,17 @@ class Renderer:
             raise RenderError(proc.stderr.strip())
         return proc.stdout
 
-    def render(self, values_file: str | None = None, overrides: dict | None = None, *,
-               tmp_path: Path | None = None, release: str = RELEASE,
-               namespace: str = NAMESPACE, chart: Path = CHART, notes: bool = False):
+    def render(
+        self,
+        values_file: str | None = None,
+        overrides: dict | None = None,
+        *,
+        tmp_path: Path | None = None,
+        release: str = RELEASE,
+        namespace: str = NAMESPACE,
+        chart: Path = CHART,
+        notes: bool = False,
+    ):
         files = []
         if values_file:
             files.append(CHART / "ci" / values_file)
@@ -233,22 +251,43 @@ TPU_DNS = "tandem-tpu-executor.llm.svc.cluster.local:50051"
 
 EXPECTED_OBJECTS = {
     "gpu-values.yaml": {
-        ("ServiceAccount", "tandem"), ("Deployment", CTRL), ("Service", CTRL),
-        ("StatefulSet", GPU), ("Service", GPU), ("PodDisruptionBudget", GPU),
-        ("NetworkPolicy", GPU), ("ServiceMonitor", CTRL), ("ConfigMap", "tandem-dashboards"),
+        ("ServiceAccount", "tandem"),
+        ("Deployment", CTRL),
+        ("Service", CTRL),
+        ("StatefulSet", GPU),
+        ("Service", GPU),
+        ("PodDisruptionBudget", GPU),
+        ("NetworkPolicy", GPU),
+        ("ServiceMonitor", CTRL),
+        ("ConfigMap", "tandem-dashboards"),
         ("PodMonitor", "tandem-executors"),
     },
     "tpu-values.yaml": {
-        ("ServiceAccount", "tandem"), ("Deployment", CTRL), ("Service", CTRL),
-        ("StatefulSet", TPU), ("Service", TPU), ("PodDisruptionBudget", TPU),
-        ("NetworkPolicy", TPU), ("ScaledObject", TPU), ("ConfigMap", "tandem-dashboards"),
+        ("ServiceAccount", "tandem"),
+        ("Deployment", CTRL),
+        ("Service", CTRL),
+        ("StatefulSet", TPU),
+        ("Service", TPU),
+        ("PodDisruptionBudget", TPU),
+        ("NetworkPolicy", TPU),
+        ("ScaledObject", TPU),
+        ("ConfigMap", "tandem-dashboards"),
     },
     "mixed-values.yaml": {
-        ("ServiceAccount", "tandem"), ("Deployment", CTRL), ("Service", CTRL),
-        ("StatefulSet", GPU), ("Service", GPU), ("PodDisruptionBudget", GPU),
-        ("NetworkPolicy", GPU), ("HorizontalPodAutoscaler", GPU),
-        ("StatefulSet", TPU), ("Service", TPU), ("PodDisruptionBudget", TPU),
-        ("NetworkPolicy", TPU), ("PodMonitor", CTRL), ("ConfigMap", "tandem-dashboards"),
+        ("ServiceAccount", "tandem"),
+        ("Deployment", CTRL),
+        ("Service", CTRL),
+        ("StatefulSet", GPU),
+        ("Service", GPU),
+        ("PodDisruptionBudget", GPU),
+        ("NetworkPolicy", GPU),
+        ("HorizontalPodAutoscaler", GPU),
+        ("StatefulSet", TPU),
+        ("Service", TPU),
+        ("PodDisruptionBudget", TPU),
+        ("NetworkPolicy", TPU),
+        ("PodMonitor", CTRL),
+        ("ConfigMap", "tandem-dashboards"),
         ("PodMonitor", "tandem-executors"),
     },
 }
@@ -282,13 +321,17 @@ def test_objects_and_kubernetes_schemas(rendered, values_file):
         assert labels["helm.sh/chart"] == f"tandem-{chart['version']}"
 
 
-@pytest.mark.parametrize("values_file,dns,static", [
-    ("gpu-values.yaml", [GPU_DNS], []),
-    ("tpu-values.yaml", [TPU_DNS], []),
-    ("mixed-values.yaml", [GPU_DNS, TPU_DNS], ["gpu-box-1.lab.internal:50051"]),
-])
-def test_controller_discovers_each_pool_through_its_headless_service(rendered, values_file, dns,
-                                                                     static):
+@pytest.mark.parametrize(
+    "values_file,dns,static",
+    [
+        ("gpu-values.yaml", [GPU_DNS], []),
+        ("tpu-values.yaml", [TPU_DNS], []),
+        ("mixed-values.yaml", [GPU_DNS, TPU_DNS], ["gpu-box-1.lab.internal:50051"]),
+    ],
+)
+def test_controller_discovers_each_pool_through_its_headless_service(
+    rendered, values_file, dns, static
+):
     m = rendered[values_file]
     ctrl = container(m.get("Deployment", CTRL), "controller")
     args = ctrl["args"]
@@ -305,8 +348,7 @@ def test_controller_discovers_each_pool_through_its_headless_service(rendered, v
         sts = m.get("StatefulSet", service_name)
         assert sts["spec"]["serviceName"] == service_name
         assert selects(service["spec"]["selector"], pod_labels(sts))
-        assert not selects(service["spec"]["selector"],
-                           pod_labels(m.get("Deployment", CTRL)))
+        assert not selects(service["spec"]["selector"], pod_labels(m.get("Deployment", CTRL)))
         (svc_port,) = service["spec"]["ports"]
         cport, metrics_port = container(sts, "executor")["ports"]
         assert int(port) == svc_port["port"] == cport["containerPort"]
@@ -314,7 +356,8 @@ def test_controller_discovers_each_pool_through_its_headless_service(rendered, v
         # Each executor serves its own metrics; the executors' PodMonitor scrapes that port.
         assert metrics_port["name"] == "metrics"
         assert flag_values(container(sts, "executor")["args"], "--metrics-port") == [
-            str(metrics_port["containerPort"])]
+            str(metrics_port["containerPort"])
+        ]
         if {("ServiceMonitor", CTRL), ("PodMonitor", CTRL)} & m.kinds_names():
             monitor = m.get("PodMonitor", "tandem-executors")["spec"]
             assert monitor["podMetricsEndpoints"][0]["port"] == "metrics"
@@ -377,7 +420,8 @@ def test_gpu_pool(rendered):
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert c["resources"]["requests"]["memory"] == "32Gi"  # values' resources kept
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
-        "tolerations"]
+        "tolerations"
+    ]
     assert pod["runtimeClassName"] == "nvidia"
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-L4"}
     assert volume(sts, "shm")["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
@@ -410,7 +454,8 @@ def test_tpu_pool(rendered):
         "cloud.google.com/gke-tpu-topology": "2x4",
     }
     assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
-        "tolerations"]
+        "tolerations"
+    ]
     assert env_of(c)["PJRT_DEVICE"] == "TPU"
     assert volume(sts, "xla-cache")["persistentVolumeClaim"] == {"claimName": "xla-cache"}
     assert mount(c, "xla-cache")["mountPath"] == "/var/cache/tandem/xla"
@@ -423,7 +468,10 @@ def test_tpu_pool(rendered):
     assert "replicas" not in sts["spec"]
     scaled = m.get("ScaledObject", TPU)
     assert scaled["spec"]["scaleTargetRef"] == {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "name": TPU}
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "name": TPU,
+    }
     assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (1, 6)
     (trigger,) = scaled["spec"]["triggers"]
     assert trigger["type"] == "prometheus"
@@ -440,12 +488,17 @@ def test_mixed_pools_and_hpa(rendered):
     gpu, tpu = m.get("StatefulSet", GPU), m.get("StatefulSet", TPU)
     assert container(gpu, "executor")["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert container(tpu, "executor")["resources"]["limits"]["google.com/tpu"] == 4
-    assert tpu["spec"]["template"]["spec"]["nodeSelector"][
-        "cloud.google.com/gke-tpu-topology"] == "2x2"
+    assert (
+        tpu["spec"]["template"]["spec"]["nodeSelector"]["cloud.google.com/gke-tpu-topology"]
+        == "2x2"
+    )
     assert "replicas" not in gpu["spec"] and tpu["spec"]["replicas"] == 1
     hpa = m.get("HorizontalPodAutoscaler", GPU)
     assert hpa["spec"]["scaleTargetRef"] == {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "name": GPU}
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "name": GPU,
+    }
     (metric,) = hpa["spec"]["metrics"]
     assert metric["type"] == "External"
     assert metric["external"]["metric"]["name"] == "tandem_num_requests_waiting"
@@ -464,8 +517,12 @@ def test_executor_probes_are_native_grpc(rendered, values_file):
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"] == {"port": port}, (sts["metadata"]["name"], probe)
             assert set(c[probe]) - {"grpc"} <= {
-                "periodSeconds", "timeoutSeconds", "failureThreshold", "successThreshold",
-                "initialDelaySeconds"}
+                "periodSeconds",
+                "timeoutSeconds",
+                "failureThreshold",
+                "successThreshold",
+                "initialDelaySeconds",
+            }
         startup = c["startupProbe"]
         budget = startup["periodSeconds"] * startup["failureThreshold"]
         # Model load for every pool; TPU pods also compile their XLA buckets.
@@ -507,7 +564,9 @@ def _workloads(m: Manifest) -> list[tuple[dict, str]]:
 def test_model_from_pvc(rendered):
     for workload, cname in _workloads(rendered["gpu-values.yaml"]):
         assert volume(workload, "model")["persistentVolumeClaim"] == {
-            "claimName": "llm-models", "readOnly": True}
+            "claimName": "llm-models",
+            "readOnly": True,
+        }
         m = mount(container(workload, cname), "model")
         assert m["mountPath"] == "/models" and m["readOnly"] is True
         assert "initContainers" not in workload["spec"]["template"]["spec"]
@@ -516,7 +575,9 @@ def test_model_from_pvc(rendered):
 def test_model_from_host_path(rendered):
     for workload, cname in _workloads(rendered["tpu-values.yaml"]):
         assert volume(workload, "model")["hostPath"] == {
-            "path": "/mnt/disks/models", "type": "Directory"}
+            "path": "/mnt/disks/models",
+            "type": "Directory",
+        }
         assert mount(container(workload, cname), "model")["readOnly"] is True
         args = container(workload, cname)["args"]
         assert flag_values(args, "--model") == ["/models/Llama-3.1-8B-Instruct"]
@@ -543,20 +604,29 @@ def test_model_from_init_container(rendered):
 
 
 def test_release_name_namespace_and_images(renderer, tmp_path):
-    m = renderer.render("gpu-values.yaml", {
-        "fullnameOverride": "chat",
-        "image": {"registry": "registry.example.com/ml/", "tag": "1.2.3"},
-        "controller": {"image": {"tag": "sha256:" + "ab" * 32}},
-        "clusterDomain": "corp.local",
-    }, tmp_path=tmp_path, release="prod", namespace="serving")
+    m = renderer.render(
+        "gpu-values.yaml",
+        {
+            "fullnameOverride": "chat",
+            "image": {"registry": "registry.example.com/ml/", "tag": "1.2.3"},
+            "controller": {"image": {"tag": "sha256:" + "ab" * 32}},
+            "clusterDomain": "corp.local",
+        },
+        tmp_path=tmp_path,
+        release="prod",
+        namespace="serving",
+    )
     ctrl = m.get("Deployment", "chat-controller")
     assert flag_values(container(ctrl, "controller")["args"], "--executor-dns") == [
-        "chat-gpu-executor.serving.svc.corp.local:50051"]
+        "chat-gpu-executor.serving.svc.corp.local:50051"
+    ]
     assert container(ctrl, "controller")["image"] == (
-        "registry.example.com/ml/tandem/controller@sha256:" + "ab" * 32)
+        "registry.example.com/ml/tandem/controller@sha256:" + "ab" * 32
+    )
     sts = m.get("StatefulSet", "chat-gpu-executor")
     assert container(sts, "executor")["image"] == (
-        "registry.example.com/ml/tandem/executor-gpu:1.2.3")
+        "registry.example.com/ml/tandem/executor-gpu:1.2.3"
+    )
     assert {d["metadata"]["namespace"] for d in m.docs} == {"serving"}
     assert {d["metadata"]["labels"]["app.kubernetes.io/instance"] for d in m.docs} == {"prod"}
 
@@ -565,9 +635,14 @@ def test_chart_defaults_with_a_model_claim(renderer, tmp_path):
     """values.yaml alone (plus the one value it cannot guess): a GPU pool, nothing optional."""
     m = renderer.render(None, {"model": {"pvc": {"claimName": "models"}}}, tmp_path=tmp_path)
     assert m.kinds_names() == {
-        ("ServiceAccount", "tandem"), ("Deployment", CTRL), ("Service", CTRL),
-        ("StatefulSet", GPU), ("Service", GPU), ("PodDisruptionBudget", GPU),
-        ("NetworkPolicy", GPU), ("ConfigMap", "tandem-dashboards"),
+        ("ServiceAccount", "tandem"),
+        ("Deployment", CTRL),
+        ("Service", CTRL),
+        ("StatefulSet", GPU),
+        ("Service", GPU),
+        ("PodDisruptionBudget", GPU),
+        ("NetworkPolicy", GPU),
+        ("ConfigMap", "tandem-dashboards"),
     }
     for doc in m.docs:
         validate_k8s(doc)
@@ -584,28 +659,40 @@ def test_chart_defaults_with_a_model_claim(renderer, tmp_path):
 
 
 def test_static_executors_only(renderer, tmp_path):
-    m = renderer.render(None, {
-        "model": {"pvc": {"claimName": "models"}},
-        "gpu": {"enabled": False},
-        "controller": {"executors": ["10.1.2.3:50051", "gpu-b.lab:50052"]},
-    }, tmp_path=tmp_path)
-    assert not m.all("StatefulSet") and not m.all("NetworkPolicy") and not m.all(
-        "PodDisruptionBudget")
+    m = renderer.render(
+        None,
+        {
+            "model": {"pvc": {"claimName": "models"}},
+            "gpu": {"enabled": False},
+            "controller": {"executors": ["10.1.2.3:50051", "gpu-b.lab:50052"]},
+        },
+        tmp_path=tmp_path,
+    )
+    assert (
+        not m.all("StatefulSet") and not m.all("NetworkPolicy") and not m.all("PodDisruptionBudget")
+    )
     args = container(m.get("Deployment", CTRL), "controller")["args"]
     assert flag_values(args, "--executor") == ["10.1.2.3:50051", "gpu-b.lab:50052"]
     assert "--executor-dns" not in args
 
 
 def test_optional_features_off_and_on(renderer, tmp_path):
-    m = renderer.render("gpu-values.yaml", {
-        "networkPolicy": {"enabled": False},
-        "gpu": {"podDisruptionBudget": {"enabled": False}, "runtimeClassName": "",
-                "shm": {"enabled": False}},
-        "controller": {"podDisruptionBudget": {"enabled": True}, "resources": None},
-        "serviceAccount": {"create": False},
-        "dashboards": {"enabled": False},
-        "metrics": {"serviceMonitor": {"enabled": False}},
-    }, tmp_path=tmp_path)
+    m = renderer.render(
+        "gpu-values.yaml",
+        {
+            "networkPolicy": {"enabled": False},
+            "gpu": {
+                "podDisruptionBudget": {"enabled": False},
+                "runtimeClassName": "",
+                "shm": {"enabled": False},
+            },
+            "controller": {"podDisruptionBudget": {"enabled": True}, "resources": None},
+            "serviceAccount": {"create": False},
+            "dashboards": {"enabled": False},
+            "metrics": {"serviceMonitor": {"enabled": False}},
+        },
+        tmp_path=tmp_path,
+    )
     kinds = {k for k, _ in m.kinds_names()}
     assert kinds == {"Deployment", "Service", "StatefulSet", "PodDisruptionBudget"}
     assert m.get("PodDisruptionBudget", CTRL)["spec"]["minAvailable"] == 1
@@ -621,33 +708,48 @@ def test_optional_features_off_and_on(renderer, tmp_path):
 
 
 def test_network_policy_extra_ingress(renderer, tmp_path):
-    extra = {"from": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
-             "ports": [{"port": 9400, "protocol": "TCP"}]}
-    m = renderer.render("gpu-values.yaml", {"networkPolicy": {"extraIngress": [extra]}},
-                        tmp_path=tmp_path)
+    extra = {
+        "from": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
+        "ports": [{"port": 9400, "protocol": "TCP"}],
+    }
+    m = renderer.render(
+        "gpu-values.yaml", {"networkPolicy": {"extraIngress": [extra]}}, tmp_path=tmp_path
+    )
     policy = m.get("NetworkPolicy", GPU)
     assert policy["spec"]["ingress"][2] == extra
     validate_k8s(policy)
 
 
-@pytest.mark.parametrize("values_file,overrides,messages", [
-    (None, {}, ["model.pvc.claimName is required"]),
-    (None, {"model": {"source": "hostPath"}}, ["model.hostPath.path is required"]),
-    (None, {"model": {"source": "initContainer"}}, ["model.initContainer.image is required"]),
-    ("gpu-values.yaml", {"gpu": {"enabled": False}}, ["no executors"]),
-    ("tpu-values.yaml", {"tpu": {"chips": 4}},
-     ["tpu.topology 2x4 has 8 chips but tpu.chips is 4"]),
-    ("tpu-values.yaml", {"tpu": {"autoscaling": {"keda": {"serverAddress": ""}}}},
-     ["tpu.autoscaling.keda.serverAddress is required"]),
-    # values.schema.json: the offending value's path (helm prints it as a.b or /a/b).
-    ("gpu-values.yaml", {"gpu": {"dtype": "int8"}}, ["gpu.dtype", "/gpu/dtype"]),
-    ("gpu-values.yaml", {"gpu": {"gpuz": 2}}, ["gpuz"]),
-    ("gpu-values.yaml", {"model": {"source": "s3"}}, ["model.source", "/model/source"]),
-    ("tpu-values.yaml", {"tpu": {"topology": "2by4"}}, ["tpu.topology", "/tpu/topology"]),
-    ("gpu-values.yaml", {"gpu": {"startupProbe": {"exec": {"command": ["true"]}}}}, ["exec"]),
-    ("gpu-values.yaml", {"controller": {"executors": ["no-port"]}},
-     ["controller.executors.0", "/controller/executors/0"]),
-])
+@pytest.mark.parametrize(
+    "values_file,overrides,messages",
+    [
+        (None, {}, ["model.pvc.claimName is required"]),
+        (None, {"model": {"source": "hostPath"}}, ["model.hostPath.path is required"]),
+        (None, {"model": {"source": "initContainer"}}, ["model.initContainer.image is required"]),
+        ("gpu-values.yaml", {"gpu": {"enabled": False}}, ["no executors"]),
+        (
+            "tpu-values.yaml",
+            {"tpu": {"chips": 4}},
+            ["tpu.topology 2x4 has 8 chips but tpu.chips is 4"],
+        ),
+        (
+            "tpu-values.yaml",
+            {"tpu": {"autoscaling": {"keda": {"serverAddress": ""}}}},
+            ["tpu.autoscaling.keda.serverAddress is required"],
+        ),
+        # values.schema.json: the offending value's path (helm prints it as a.b or /a/b).
+        ("gpu-values.yaml", {"gpu": {"dtype": "int8"}}, ["gpu.dtype", "/gpu/dtype"]),
+        ("gpu-values.yaml", {"gpu": {"gpuz": 2}}, ["gpuz"]),
+        ("gpu-values.yaml", {"model": {"source": "s3"}}, ["model.source", "/model/source"]),
+        ("tpu-values.yaml", {"tpu": {"topology": "2by4"}}, ["tpu.topology", "/tpu/topology"]),
+        ("gpu-values.yaml", {"gpu": {"startupProbe": {"exec": {"command": ["true"]}}}}, ["exec"]),
+        (
+            "gpu-values.yaml",
+            {"controller": {"executors": ["no-port"]}},
+            ["controller.executors.0", "/controller/executors/0"],
+        ),
+    ],
+)
 def test_bad_values_are_refused(renderer, tmp_path, values_file, overrides, messages):
     with pytest.raises(RenderError) as err:
         renderer.render(values_file, overrides, tmp_path=tmp_path)
@@ -676,13 +778,16 @@ def _exported_metric_names() -> set[str]:
     from controller.observe.fleet_collector import FleetCollector
     from controller.observe.metrics import EngineMetrics
 
-    engine = SimpleNamespace(runners={}, waiting={},
-                             config=SimpleNamespace(enable_prefix_caching=True))
+    engine = SimpleNamespace(
+        runners={}, waiting={}, config=SimpleNamespace(enable_prefix_caching=True)
+    )
     worker = SimpleNamespace(device_kind="cpu", device_name="cpu", memory_usage=dict)
     ExecutorMetrics(worker)
-    families = [*EngineMetrics("m").registry.collect(),
-                *FleetCollector(engine, "m").collect(),
-                *(f for f in REGISTRY.collect() if f.name.startswith("tandem:"))]
+    families = [
+        *EngineMetrics("m").registry.collect(),
+        *FleetCollector(engine, "m").collect(),
+        *(f for f in REGISTRY.collect() if f.name.startswith("tandem:")),
+    ]
     names = set()
     for family in families:
         if family.type == "counter":
@@ -715,8 +820,9 @@ def test_dashboards_hook_renders_nothing_without_files(renderer, tmp_path):
     chart = tmp_path / "tandem"
     shutil.copytree(CHART, chart, ignore=shutil.ignore_patterns("dashboards"))
     (chart / "dashboards").mkdir()
-    m = renderer.render(None, {"model": {"pvc": {"claimName": "models"}}}, tmp_path=tmp_path,
-                        chart=chart)
+    m = renderer.render(
+        None, {"model": {"pvc": {"claimName": "models"}}}, tmp_path=tmp_path, chart=chart
+    )
     assert not m.all("ConfigMap")
     assert m.all("StatefulSet")
 
@@ -731,7 +837,6 @@ def test_notes(renderer, tmp_path):
     assert "static: gpu-box-1.lab.internal:50051" in notes
     assert '"model": "SmolLM2-135M-Instruct"' in notes
     assert "apiVersion" not in notes
-
 
 
 # --- the renderer itself -----------------------------------------------------------------------
@@ -765,11 +870,13 @@ def test_renderer_follows_helm(renderer, tmp_path):
     chart = tmp_path / "demo"
     (chart / "templates").mkdir(parents=True)
     (chart / "files" / "sub").mkdir(parents=True)
-    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: demo\nversion: 1.2.3\n"
-                                      "appVersion: '4.5'\n")
+    (chart / "Chart.yaml").write_text(
+        "apiVersion: v2\nname: demo\nversion: 1.2.3\nappVersion: '4.5'\n"
+    )
     (chart / "values.yaml").write_text("a: {b: 1, c: 2}\ns: x\nlist: [1, 2]\nneedZ: false\n")
     (chart / "templates" / "_helpers.tpl").write_text(
-        '{{- define "demo.name" -}}\nname-{{ .Values.s }}\n{{- end -}}\n')
+        '{{- define "demo.name" -}}\nname-{{ .Values.s }}\n{{- end -}}\n'
+    )
     (chart / "templates" / "cm.yaml").write_text(DEMO_TEMPLATE)
     (chart / "templates" / "nothing.yaml").write_text("{{- if .Values.never }}x: 1{{ end }}\n")
     (chart / "templates" / "NOTES.txt").write_text("notes for {{ .Release.Name }}\n")
@@ -777,14 +884,28 @@ def test_renderer_follows_helm(renderer, tmp_path):
     (chart / "files" / "sub" / "b.txt").write_text("B")
     vals = tmp_path / "vals"
     vals.mkdir()
-    m = renderer.render(None, {"a": {"c": None, "d": 3}, "s": "why", "list": [3]},
-                        tmp_path=vals, release="rel", namespace="ns", chart=chart)
+    m = renderer.render(
+        None,
+        {"a": {"c": None, "d": 3}, "s": "why", "list": [3]},
+        tmp_path=vals,
+        release="rel",
+        namespace="ns",
+        chart=chart,
+    )
     (cm,) = m.docs
     assert cm["metadata"] == {"name": "name-why", "namespace": "ns"}
     assert cm["data"] == {
-        "chart": "demo-1.2.3-4.5", "release": "rel/Helm", "keys": "b,d", "tpl": "why-rel",
-        "yaml": "b: 1\nd: 3", "fromYaml": "v", "glob": "2", "conf": "a.txt: A",
-        "get": "B", "template": "demo/templates/cm.yaml", "list": "[3]",
+        "chart": "demo-1.2.3-4.5",
+        "release": "rel/Helm",
+        "keys": "b,d",
+        "tpl": "why-rel",
+        "yaml": "b: 1\nd: 3",
+        "fromYaml": "v",
+        "glob": "2",
+        "conf": "a.txt: A",
+        "get": "B",
+        "template": "demo/templates/cm.yaml",
+        "list": "[3]",
     }
     with pytest.raises(RenderError, match="z is required"):
         renderer.render(None, {"needZ": True}, tmp_path=vals, chart=chart)
@@ -793,13 +914,22 @@ def test_renderer_follows_helm(renderer, tmp_path):
 def test_security_secrets_and_flags(renderer, tmp_path):
     """API keys, HTTPS, executor mTLS and the executor token: Secrets mounted, flags set,
     probes still able to answer (kubelet gRPC probes on the plaintext health port)."""
-    m = renderer.render("gpu-values.yaml", {"security": {
-        "apiKeys": {"existingSecret": "api-keys"},
-        "https": {"secretName": "controller-https"},
-        "executorTLS": {"enabled": True, "secretName": "executor-tls",
-                        "clientSecretName": "controller-tls"},
-        "executorToken": {"existingSecret": "executor-token"},
-    }}, tmp_path=tmp_path)
+    m = renderer.render(
+        "gpu-values.yaml",
+        {
+            "security": {
+                "apiKeys": {"existingSecret": "api-keys"},
+                "https": {"secretName": "controller-https"},
+                "executorTLS": {
+                    "enabled": True,
+                    "secretName": "executor-tls",
+                    "clientSecretName": "controller-tls",
+                },
+                "executorToken": {"existingSecret": "executor-token"},
+            }
+        },
+        tmp_path=tmp_path,
+    )
     dep = m.get("Deployment", CTRL)
     c = container(dep, "controller")
     args = c["args"]

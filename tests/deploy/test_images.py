@@ -105,9 +105,11 @@ def dockerignore_admits(patterns: list[str], path: str) -> bool:
         pat = pat.rstrip("/")
         for i in range(1, len(parts) + 1):
             prefix = "/".join(parts[:i])
-            if fnmatch.fnmatchcase(prefix, pat) or (
-                pat.startswith("**/") and fnmatch.fnmatchcase(prefix, pat[3:])
-            ) or (pat.startswith("**/") and fnmatch.fnmatchcase(prefix, "*/" + pat[3:])):
+            if (
+                fnmatch.fnmatchcase(prefix, pat)
+                or (pat.startswith("**/") and fnmatch.fnmatchcase(prefix, pat[3:]))
+                or (pat.startswith("**/") and fnmatch.fnmatchcase(prefix, "*/" + pat[3:]))
+            ):
                 admitted = negate
                 break
     return admitted
@@ -115,8 +117,11 @@ def dockerignore_admits(patterns: list[str], path: str) -> bool:
 
 def dockerignore(image: str) -> list[str]:
     path = DOCKER / f"{image}.Dockerfile.dockerignore"
-    return [ln.strip() for ln in path.read_text().splitlines()
-            if ln.strip() and not ln.strip().startswith("#")]
+    return [
+        ln.strip()
+        for ln in path.read_text().splitlines()
+        if ln.strip() and not ln.strip().startswith("#")
+    ]
 
 
 # --- tests -------------------------------------------------------------------------------------
@@ -137,7 +142,8 @@ def test_parser_reads_stages_and_continuations():
 
 def test_every_image_has_a_dockerfile():
     assert sorted(p.name for p in DOCKER.glob("*.Dockerfile")) == sorted(
-        f"{i}.Dockerfile" for i in IMAGES)
+        f"{i}.Dockerfile" for i in IMAGES
+    )
 
 
 @pytest.mark.parametrize("image", sorted(IMAGES))
@@ -214,8 +220,10 @@ def test_installs_exactly_its_extra(image):
 
 
 def test_controller_image_has_no_torch():
-    deps = PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"][
-        "controller"]
+    deps = (
+        PYPROJECT["project"]["dependencies"]
+        + PYPROJECT["project"]["optional-dependencies"]["controller"]
+    )
     assert not [d for d in deps if re.match(r"torch", d)], "the controller extra pulls torch"
     text = (DOCKER / "controller.Dockerfile").read_text()
     assert not re.search(r"torch|executor_", text.split("\nFROM", 1)[1])
@@ -223,8 +231,9 @@ def test_controller_image_has_no_torch():
 
 def test_tpu_image_brings_libtpu_with_the_pinned_torch_xla():
     reqs = pip_requirements(dockerfile("executor-tpu"))
-    pins = [d for d in PYPROJECT["project"]["optional-dependencies"]["tpu"]
-            if d.startswith("torch_xla")]
+    pins = [
+        d for d in PYPROJECT["project"]["optional-dependencies"]["tpu"] if d.startswith("torch_xla")
+    ]
     assert pins == ["torch_xla==2.9.0"]
     assert "torch_xla[tpu]==2.9.0" in reqs  # the [tpu] extra is what installs libtpu
     final = dockerfile("executor-tpu")[-1]
@@ -242,14 +251,24 @@ def test_build_context_is_only_what_the_image_needs(image):
     module, _, _ = IMAGES[image]
     patterns = dockerignore(image)
     admitted = lambda p: dockerignore_admits(patterns, p)  # noqa: E731
-    for path in ("pyproject.toml", "proto/executor.proto", "common/wire/config.py",
-                 "common/wire/pb/__init__.py", f"{module}/__init__.py"):
+    for path in (
+        "pyproject.toml",
+        "proto/executor.proto",
+        "common/wire/config.py",
+        "common/wire/pb/__init__.py",
+        f"{module}/__init__.py",
+    ):
         assert admitted(path), f"{image}: {path} is left out of the build context"
     others = PACKAGES - {"common", module}
     for path in [f"{p}/__init__.py" for p in others] + [
-        ".venv/bin/python", ".git/HEAD", "tests/deploy/test_chart.py", "charts/tandem/values.yaml",
-        "common/wire/pb/executor_pb2.py", "common/wire/pb/executor_pb2_grpc.py",
-        f"{module}/__pycache__/x.cpython-311.pyc", "README.md",
+        ".venv/bin/python",
+        ".git/HEAD",
+        "tests/deploy/test_chart.py",
+        "charts/tandem/values.yaml",
+        "common/wire/pb/executor_pb2.py",
+        "common/wire/pb/executor_pb2_grpc.py",
+        f"{module}/__pycache__/x.cpython-311.pyc",
+        "README.md",
     ]:
         assert not admitted(path), f"{image}: {path} gets into the build context"
 
@@ -262,10 +281,17 @@ def test_image_tags_follow_the_release():
 def test_make_images_builds_what_the_chart_runs():
     if not shutil.which("make"):
         pytest.skip("make is not installed")
-    out = subprocess.run(["make", "-n", "images", "IMAGE_TAG=9.9.9", "IMAGE_REGISTRY=reg.io/x/"],
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["make", "-n", "images", "IMAGE_TAG=9.9.9", "IMAGE_REGISTRY=reg.io/x/"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     for image, (_, _, section) in IMAGES.items():
         repository = VALUES[section]["image"]["repository"]
         assert re.search(
             rf"docker build -f docker/{image}\.Dockerfile -t reg\.io/x/{re.escape(repository)}"
-            rf":9\.9\.9 \.", out), out
+            rf":9\.9\.9 \.",
+            out,
+        ), out

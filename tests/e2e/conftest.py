@@ -27,7 +27,8 @@ def server(default_model_dir, tmp_path_factory) -> LiveServer:
 def tight_server(default_model_dir, tmp_path_factory) -> LiveServer:
     """A small step budget and few KV blocks: chunked prefill and preemption for sure."""
     s = start_server(
-        default_model_dir, str(tmp_path_factory.mktemp("tight")),
+        default_model_dir,
+        str(tmp_path_factory.mktemp("tight")),
         controller_args=["--max-num-batched-tokens", "48", "--num-kv-blocks", "20"],
     )
     yield s
@@ -38,8 +39,12 @@ def tight_server(default_model_dir, tmp_path_factory) -> LiveServer:
 def executor_pair(default_model_dir, tmp_path_factory) -> LiveServer:
     """Two GPU executors (the CPU here) behind one controller, with fast failure detection.
     Tests that kill or stop one must leave both healthy again."""
-    s = start_server(default_model_dir, str(tmp_path_factory.mktemp("pair")),
-                     controller_args=FAST_HEALTH, executor_kinds=("executor_gpu",) * 2)
+    s = start_server(
+        default_model_dir,
+        str(tmp_path_factory.mktemp("pair")),
+        controller_args=FAST_HEALTH,
+        executor_kinds=("executor_gpu",) * 2,
+    )
     wait_healthy_executors(s, 2)
     yield s
     for p in s.executors:

@@ -16,16 +16,23 @@ PROMPTS = [
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are terse."},
-     {"role": "user", "content": "Name a planet."}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a planet."},
+    ],
 ]
 
 
 # A prompt of a few hundred tokens: longer than the tight server's 48-token step budget.
-LONG_PROMPT = " ".join(
-    f"Item {i}: the {w} fox jumps over the lazy dog." for i, w in
-    enumerate(["quick", "brown", "red", "slow", "clever", "tired", "young", "old"] * 2)
-) + " Summary:"
+LONG_PROMPT = (
+    " ".join(
+        f"Item {i}: the {w} fox jumps over the lazy dog."
+        for i, w in enumerate(
+            ["quick", "brown", "red", "slow", "clever", "tired", "young", "old"] * 2
+        )
+    )
+    + " Summary:"
+)
 
 
 def assert_no_blocks_in_use(server) -> None:
@@ -46,14 +53,20 @@ def metric_sum(text: str, name: str) -> float:
 MAX_TOKENS = 40
 
 
-async def stream_completion(server, prompt: str, chunks: list[float], started: asyncio.Event,
-                  max_tokens: int = MAX_TOKENS) -> str:
+async def stream_completion(
+    server, prompt: str, chunks: list[float], started: asyncio.Event, max_tokens: int = MAX_TOKENS
+) -> str:
     """Stream one greedy completion; record each chunk's arrival time."""
     text = ""
     async with server.async_client() as client:
         resp = await client.completions.create(
-            model=server.model_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
-            stream=True, extra_body={"ignore_eos": True})
+            model=server.model_name,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         async for chunk in resp:
             piece = chunk.choices[0].text if chunk.choices else ""
             if piece:
@@ -67,16 +80,28 @@ async def stream_completion(server, prompt: str, chunks: list[float], started: a
 def expected_texts(server, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list[str]:
     async def run():
         async with server.async_client() as client:
-            rs = await asyncio.gather(*(client.completions.create(
-                model=server.model_name, prompt=p, max_tokens=max_tokens, temperature=0,
-                extra_body={"ignore_eos": True}) for p in prompts))
+            rs = await asyncio.gather(
+                *(
+                    client.completions.create(
+                        model=server.model_name,
+                        prompt=p,
+                        max_tokens=max_tokens,
+                        temperature=0,
+                        extra_body={"ignore_eos": True},
+                    )
+                    for p in prompts
+                )
+            )
         return [r.choices[0].text for r in rs]
 
     return asyncio.run(run())
 
 
 def gauge(text: str, name: str) -> float:
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(name + "{") or line.startswith(name + " ")]
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    ]
     assert values, f"{name} missing from /metrics"
     return sum(values)

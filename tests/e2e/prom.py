@@ -34,8 +34,13 @@ def promtool_problems(exposition: str) -> list[str]:
     """promtool check metrics on one exposition: the problems it reports, minus the allowed
     ones; a parse error is returned as a problem."""
     require_prometheus()
-    proc = subprocess.run(["promtool", "check", "metrics"], input=exposition,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["promtool", "check", "metrics"],
+        input=exposition,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if proc.returncode not in (0, 3):  # 3: lint problems only; anything else: unparsable
         return [f"promtool failed ({proc.returncode}): {proc.stderr or proc.stdout}"]
     lines = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
@@ -51,17 +56,24 @@ class PrometheusServer:
         self.url = f"http://127.0.0.1:{self.port}"
         config = os.path.join(tmp_dir, "prometheus.yml")
         with open(config, "w") as f:
-            f.write("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-                    "scrape_configs:\n")
+            f.write("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n")
             for job, targets in jobs.items():
-                f.write(f"  - job_name: {job}\n    static_configs:\n"
-                        f"      - targets: [{', '.join(repr(t) for t in targets)}]\n")
+                f.write(
+                    f"  - job_name: {job}\n    static_configs:\n"
+                    f"      - targets: [{', '.join(repr(t) for t in targets)}]\n"
+                )
         self.log_path = os.path.join(tmp_dir, "prometheus.log")
         self.proc = subprocess.Popen(
-            ["prometheus", f"--config.file={config}",
-             f"--storage.tsdb.path={os.path.join(tmp_dir, 'tsdb')}",
-             f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                "prometheus",
+                f"--config.file={config}",
+                f"--storage.tsdb.path={os.path.join(tmp_dir, 'tsdb')}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=open(self.log_path, "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.time() + 60
         while True:
             try:

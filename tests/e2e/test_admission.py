@@ -75,11 +75,19 @@ def test_draining_and_abort_all():
 @pytest.fixture(scope="module")
 def limited(default_model_dir, tmp_path_factory):
     s = start_server(
-        default_model_dir, str(tmp_path_factory.mktemp("admission")),
-        controller_args=["--max-queued-requests", str(MAX_QUEUED),
-                         "--max-request-bytes", str(MAX_BYTES), "--retry-after", "2",
-                         # Small steps: long prompts take many steps to their first token.
-                         "--max-num-batched-tokens", "32"],
+        default_model_dir,
+        str(tmp_path_factory.mktemp("admission")),
+        controller_args=[
+            "--max-queued-requests",
+            str(MAX_QUEUED),
+            "--max-request-bytes",
+            str(MAX_BYTES),
+            "--retry-after",
+            "2",
+            # Small steps: long prompts take many steps to their first token.
+            "--max-num-batched-tokens",
+            "32",
+        ],
     )
     yield s
     s.stop()
@@ -95,9 +103,12 @@ def test_queue_full_gets_429_with_retry_after(limited):
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as http:
-            calls = [http.post(s.base_url + "/v1/completions",
-                               json={**body, "prompt": f"{i} {LONG_PROMPT}"})
-                     for i in range(3 * MAX_QUEUED)]
+            calls = [
+                http.post(
+                    s.base_url + "/v1/completions", json={**body, "prompt": f"{i} {LONG_PROMPT}"}
+                )
+                for i in range(3 * MAX_QUEUED)
+            ]
             return await asyncio.gather(*calls)
 
     responses = asyncio.run(run())
@@ -126,14 +137,20 @@ def test_streams_release_their_queue_share(limited):
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as http:
+
             async def one(i: int) -> int:
-                body = {"model": s.model_name, "prompt": f"Story {i}:", "max_tokens": 6,
-                        "temperature": 0, "stream": True}
-                async with http.stream("POST", s.base_url + "/v1/completions",
-                                       json=body) as resp:
+                body = {
+                    "model": s.model_name,
+                    "prompt": f"Story {i}:",
+                    "max_tokens": 6,
+                    "temperature": 0,
+                    "stream": True,
+                }
+                async with http.stream("POST", s.base_url + "/v1/completions", json=body) as resp:
                     async for _ in resp.aiter_lines():
                         pass
                     return resp.status_code
+
             codes = []
             for _ in range(3):  # sequential rounds never exceed the bound
                 codes += await asyncio.gather(*(one(i) for i in range(MAX_QUEUED)))
@@ -146,13 +163,17 @@ def test_streams_release_their_queue_share(limited):
 
 def test_too_many_sequences_in_one_request_get_400(limited):
     s = limited
-    r = httpx.post(s.base_url + "/v1/completions",
-                   json={"model": s.model_name, "prompt": "hi", "max_tokens": 2,
-                         "n": MAX_QUEUED + 1}, timeout=60)
+    r = httpx.post(
+        s.base_url + "/v1/completions",
+        json={"model": s.model_name, "prompt": "hi", "max_tokens": 2, "n": MAX_QUEUED + 1},
+        timeout=60,
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_sequences"
-    r = httpx.post(s.base_url + "/v1/completions",
-                   json={"model": s.model_name, "prompt": ["a", "b", "c"], "max_tokens": 2,
-                         "n": 2}, timeout=60)
+    r = httpx.post(
+        s.base_url + "/v1/completions",
+        json={"model": s.model_name, "prompt": ["a", "b", "c"], "max_tokens": 2, "n": 2},
+        timeout=60,
+    )
     assert r.status_code == 400
 
 
@@ -170,21 +191,31 @@ def test_oversized_body_gets_413(limited):
             yield b"y" * 1024
         yield b'", "max_tokens": 2}'
 
-    r = httpx.post(s.base_url + "/v1/completions", content=chunks(),
-                   headers={"content-type": "application/json"}, timeout=60)
+    r = httpx.post(
+        s.base_url + "/v1/completions",
+        content=chunks(),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
     assert r.status_code == 413
-    ok = httpx.post(s.base_url + "/v1/completions",
-                    json={"model": s.model_name, "prompt": "x " * 1000, "max_tokens": 2},
-                    timeout=60)
+    ok = httpx.post(
+        s.base_url + "/v1/completions",
+        json={"model": s.model_name, "prompt": "x " * 1000, "max_tokens": 2},
+        timeout=60,
+    )
     assert ok.status_code == 200
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": "hi", "max_tokens": 10**9}, "max_tokens"),
-    ({"prompt": "hi", "n": 17}, "n"),
-    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "hi", "max_tokens": 10**9}, "max_tokens"),
+        ({"prompt": "hi", "n": 17}, "n"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ],
+)
 def test_per_request_bounds(limited, body, param):
-    r = httpx.post(limited.base_url + "/v1/completions",
-                   json={"model": limited.model_name, **body}, timeout=60)
+    r = httpx.post(
+        limited.base_url + "/v1/completions", json={"model": limited.model_name, **body}, timeout=60
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == param

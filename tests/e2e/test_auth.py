@@ -41,9 +41,11 @@ def keyed(default_model_dir, tmp_path_factory):
     key_file.write_text(f"# API keys\n{KEYS['file']}\n")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TANDEM_API_KEY", KEYS["env"])  # read by the spawned controller
-        s = start_server(default_model_dir, str(tmp),
-                         controller_args=["--api-key", KEYS["flag"],
-                                          "--api-key-file", str(key_file)])
+        s = start_server(
+            default_model_dir,
+            str(tmp),
+            controller_args=["--api-key", KEYS["flag"], "--api-key-file", str(key_file)],
+        )
     yield s
     s.stop()
 
@@ -71,23 +73,37 @@ def _routes(model_dir: str) -> list[tuple[str, str]]:
 def test_every_route_needs_a_key(keyed, default_model_dir):
     routes = _routes(default_model_dir)
     paths = {p for _, p in routes}
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
-            "/admin/executors", "/openapi.json"} <= paths
+    assert {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/tokenize",
+        "/admin/executors",
+        "/openapi.json",
+    } <= paths
     with httpx.Client(base_url=keyed.base_url, timeout=60) as http:
         for method, path in routes:
             kw = {"json": {}} if method == "POST" else {}
-            for headers in ({}, {"Authorization": "Bearer wrong"},
-                            {"Authorization": f"Basic {KEYS['flag']}"},
-                            {"Authorization": f"Bearer {KEYS['flag']}x"}):
+            for headers in (
+                {},
+                {"Authorization": "Bearer wrong"},
+                {"Authorization": f"Basic {KEYS['flag']}"},
+                {"Authorization": f"Bearer {KEYS['flag']}x"},
+            ):
                 r = http.request(method, path, headers=headers, **kw)
                 if path in EXEMPT:
                     assert r.status_code != 401, (method, path, headers)
                     continue
                 assert r.status_code == 401, (method, path, headers, r.status_code)
                 assert r.headers["www-authenticate"] == "Bearer"
-                assert r.json() == {"error": {
-                    "message": r.json()["error"]["message"], "type": "invalid_request_error",
-                    "param": None, "code": "invalid_api_key"}}
+                assert r.json() == {
+                    "error": {
+                        "message": r.json()["error"]["message"],
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": "invalid_api_key",
+                    }
+                }
             for key in KEYS.values():
                 r = http.request(method, path, headers={"Authorization": f"Bearer {key}"}, **kw)
                 assert r.status_code != 401, (method, path, r.text)
@@ -102,19 +118,23 @@ def test_openai_client(keyed):
     with pytest.raises(openai.AuthenticationError):
         wrong.completions.create(model=keyed.model_name, prompt="Hi", max_tokens=2)
     for key in KEYS.values():
-        client = openai.OpenAI(base_url=keyed.base_url + "/v1", api_key=key, max_retries=0,
-                               timeout=120)
+        client = openai.OpenAI(
+            base_url=keyed.base_url + "/v1", api_key=key, max_retries=0, timeout=120
+        )
         assert [m.id for m in client.models.list().data] == [keyed.model_name]
         r = client.chat.completions.create(
-            model=keyed.model_name, messages=[{"role": "user", "content": "Hi"}],
-            max_tokens=3, temperature=0)
+            model=keyed.model_name,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=3,
+            temperature=0,
+        )
         assert r.choices[0].message.content is not None
-        stream = client.completions.create(model=keyed.model_name, prompt="Hello",
-                                           max_tokens=3, temperature=0, stream=True)
+        stream = client.completions.create(
+            model=keyed.model_name, prompt="Hello", max_tokens=3, temperature=0, stream=True
+        )
         assert sum(1 for _ in stream) >= 1
 
 
 def test_exempt_paths_answer_without_key(keyed):
     assert httpx.get(keyed.base_url + "/health", timeout=10).status_code == 200
-    assert "vllm:num_requests_running" in httpx.get(keyed.base_url + "/metrics",
-                                                    timeout=10).text
+    assert "vllm:num_requests_running" in httpx.get(keyed.base_url + "/metrics", timeout=10).text

@@ -39,8 +39,12 @@ LOAD_SECONDS = 24.0
 KILL_AFTER = 14.0
 CONCURRENCY = 8
 # Panels whose series are split by accelerator kind: both kinds must show up.
-BY_ACCELERATOR = ("Generated tokens/s by accelerator", "TTFT p90 by accelerator",
-                  "Inter-token latency p50/p90 by accelerator", "Step time by accelerator")
+BY_ACCELERATOR = (
+    "Generated tokens/s by accelerator",
+    "TTFT p90 by accelerator",
+    "Inter-token latency p50/p90 by accelerator",
+    "Step time by accelerator",
+)
 
 
 def panel_queries() -> list[tuple[str, str]]:
@@ -50,8 +54,12 @@ def panel_queries() -> list[tuple[str, str]]:
     out = []
     for panel in dashboard["panels"]:
         for target in panel.get("targets", []):
-            expr = (target["expr"].replace("$__rate_interval", RATE_WINDOW)
-                    .replace("$model_name", ".*").replace("$accelerator", ".*"))
+            expr = (
+                target["expr"]
+                .replace("$__rate_interval", RATE_WINDOW)
+                .replace("$model_name", ".*")
+                .replace("$accelerator", ".*")
+            )
             out.append((panel["title"], expr))
     return out
 
@@ -60,8 +68,10 @@ async def _load(base_url: str, model: str, until: float, kill_at: float, kill) -
     """Streaming completions from CONCURRENCY workers until `until`; `kill()` at `kill_at`.
     Returns the failures (there must be none)."""
     rng = random.Random(7)
-    docs = [f"Document {d}: " + " ".join(f"fact {i} is that the cat {d} sat." for i in range(12))
-            for d in range(3)]
+    docs = [
+        f"Document {d}: " + " ".join(f"fact {i} is that the cat {d} sat." for i in range(12))
+        for d in range(3)
+    ]
     failures: list[str] = []
     killed = False
 
@@ -71,9 +81,14 @@ async def _load(base_url: str, model: str, until: float, kill_at: float, kill) -
             if not killed and time.monotonic() >= kill_at:
                 killed = True
                 kill()
-            body = {"model": model, "prompt": f"{rng.choice(docs)} Question {rng.random()}:",
-                    "max_tokens": rng.randint(6, 20), "temperature": 0, "stream": True,
-                    "ignore_eos": True}
+            body = {
+                "model": model,
+                "prompt": f"{rng.choice(docs)} Question {rng.random()}:",
+                "max_tokens": rng.randint(6, 20),
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+            }
             tokens, done = 0, False
             try:
                 async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -100,27 +115,51 @@ async def _load(base_url: str, model: str, until: float, kill_at: float, kill) -
 def test_every_dashboard_panel_has_data(default_model_dir, tmp_path):
     tmp = str(tmp_path)
     gpu_metrics, tpu_metrics = free_port(), free_port()
-    gpu, gpu_port = spawn_executor("executor_gpu", default_model_dir, tmp, "executor-gpu",
-                                   extra=["--metrics-port", str(gpu_metrics),
-                                          "--kv-cache-bytes", str(256 << 20)])
-    tpu, tpu_port = spawn_executor("executor_tpu", default_model_dir, tmp, "executor-tpu",
-                                   extra=["--metrics-port", str(tpu_metrics),
-                                          "--kv-cache-bytes", str(256 << 20)])
-    server = spawn_controller(default_model_dir, tmp, [
-        "--executor", f"127.0.0.1:{gpu_port}", "--executor", f"127.0.0.1:{tpu_port}",
-        "--executor-limits", "tpu=64,8", "--health-check-interval", "0.5",
-    ])
+    gpu, gpu_port = spawn_executor(
+        "executor_gpu",
+        default_model_dir,
+        tmp,
+        "executor-gpu",
+        extra=["--metrics-port", str(gpu_metrics), "--kv-cache-bytes", str(256 << 20)],
+    )
+    tpu, tpu_port = spawn_executor(
+        "executor_tpu",
+        default_model_dir,
+        tmp,
+        "executor-tpu",
+        extra=["--metrics-port", str(tpu_metrics), "--kv-cache-bytes", str(256 << 20)],
+    )
+    server = spawn_controller(
+        default_model_dir,
+        tmp,
+        [
+            "--executor",
+            f"127.0.0.1:{gpu_port}",
+            "--executor",
+            f"127.0.0.1:{tpu_port}",
+            "--executor-limits",
+            "tpu=64,8",
+            "--health-check-interval",
+            "0.5",
+        ],
+    )
     server.executors = [gpu, tpu]
     prometheus = None
     try:
         wait_healthy_executors(server, 2, timeout=900)
         host = server.base_url.removeprefix("http://")
-        prometheus = PrometheusServer(tmp, {
-            "controller": [host],
-            "executors": [f"127.0.0.1:{gpu_metrics}", f"127.0.0.1:{tpu_metrics}"],
-        })
-        wait_until(lambda: all(prometheus.targets_up().values())
-                   and len(prometheus.targets_up()) == 3, 30, "all targets scraped")
+        prometheus = PrometheusServer(
+            tmp,
+            {
+                "controller": [host],
+                "executors": [f"127.0.0.1:{gpu_metrics}", f"127.0.0.1:{tpu_metrics}"],
+            },
+        )
+        wait_until(
+            lambda: all(prometheus.targets_up().values()) and len(prometheus.targets_up()) == 3,
+            30,
+            "all targets scraped",
+        )
         tpu_exposition = {}
 
         def kill_tpu() -> None:
@@ -128,8 +167,15 @@ def test_every_dashboard_panel_has_data(default_model_dir, tmp_path):
             os.killpg(tpu.pid, signal.SIGKILL)
 
         start = time.monotonic()
-        failures = asyncio.run(_load(server.base_url, server.model_name,
-                                     start + LOAD_SECONDS, start + KILL_AFTER, kill_tpu))
+        failures = asyncio.run(
+            _load(
+                server.base_url,
+                server.model_name,
+                start + LOAD_SECONDS,
+                start + KILL_AFTER,
+                kill_tpu,
+            )
+        )
         assert not failures, failures[:5]
         state = server.wait_idle(60)
         assert any(not e["healthy"] for e in state), state
@@ -142,8 +188,11 @@ def test_every_dashboard_panel_has_data(default_model_dir, tmp_path):
             if not any(math.isfinite(v) for v in values):
                 empty.append(f"{title}: {expr} -> {result}")
             if title in BY_ACCELERATOR:
-                kinds = {r["metric"].get("accelerator") for r in result
-                         if math.isfinite(float(r["value"][1]))}
+                kinds = {
+                    r["metric"].get("accelerator")
+                    for r in result
+                    if math.isfinite(float(r["value"][1]))
+                }
                 if not {"cpu", "tpu"} <= kinds:
                     missing_kind.append(f"{title}: {expr} -> {sorted(map(str, kinds))}")
         assert not empty, "panels without data:\n" + "\n".join(empty)
@@ -152,10 +201,11 @@ def test_every_dashboard_panel_has_data(default_model_dir, tmp_path):
         lost = prometheus.query('sum(tandem:executor_lost_total{accelerator="tpu"})')
         assert float(lost[0]["value"][1]) >= 1
 
-        for name, text in (("controller", httpx.get(server.base_url + "/metrics").text),
-                           ("executor_gpu", httpx.get(
-                               f"http://127.0.0.1:{gpu_metrics}/metrics").text),
-                           ("executor_tpu", tpu_exposition["text"])):
+        for name, text in (
+            ("controller", httpx.get(server.base_url + "/metrics").text),
+            ("executor_gpu", httpx.get(f"http://127.0.0.1:{gpu_metrics}/metrics").text),
+            ("executor_tpu", tpu_exposition["text"]),
+        ):
             assert promtool_problems(text) == [], name
         print(f"failed over: {failed_over[0]['value'][1]} requests")
     finally:

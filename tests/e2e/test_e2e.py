@@ -21,8 +21,14 @@ from tests.e2e.helpers import (
 
 
 def _complete_ids(client, model, prompt, max_tokens, **kw):
-    r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                  temperature=0, extra_body={"return_token_ids": True}, **kw)
+    r = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+        **kw,
+    )
     c = r.choices[0]
     return c.model_extra["prompt_token_ids"], c.model_extra["token_ids"], r
 
@@ -41,9 +47,13 @@ def test_completions_match_transformers(server, hf):
 def test_chat_matches_transformers(server, hf):
     client = server.client()
     for messages in CHATS:
-        r = client.chat.completions.create(model=server.model_name, messages=messages,
-                                           max_tokens=32, temperature=0,
-                                           extra_body={"return_token_ids": True})
+        r = client.chat.completions.create(
+            model=server.model_name,
+            messages=messages,
+            max_tokens=32,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
         choice = r.choices[0]
         assert choice.model_extra["prompt_token_ids"] == hf.chat_ids(messages)
         expected = hf.greedy(hf.chat_ids(messages), 32)
@@ -51,17 +61,25 @@ def test_chat_matches_transformers(server, hf):
         assert ids == expected[: len(ids)]
         if len(ids) < 32:  # stopped at EOS, which is not part of the text
             assert ids[-1] == hf.tokenizer.eos_token_id and choice.finish_reason == "stop"
-    r = client.chat.completions.create(model=server.model_name, messages=CHATS[0],
-                                       max_tokens=32, temperature=0)
+    r = client.chat.completions.create(
+        model=server.model_name, messages=CHATS[0], max_tokens=32, temperature=0
+    )
     assert "Paris" in r.choices[0].message.content
 
 
 def test_concurrent_batch_matches_transformers(server, hf):
     async def run():
         client = server.async_client()
-        calls = [client.completions.create(model=server.model_name, prompt=p, max_tokens=16,
-                                           temperature=0, extra_body={"return_token_ids": True})
-                 for p in PROMPTS * 2]
+        calls = [
+            client.completions.create(
+                model=server.model_name,
+                prompt=p,
+                max_tokens=16,
+                temperature=0,
+                extra_body={"return_token_ids": True},
+            )
+            for p in PROMPTS * 2
+        ]
         return await asyncio.gather(*calls)
 
     for r in asyncio.run(run()):
@@ -73,11 +91,17 @@ def test_concurrent_batch_matches_transformers(server, hf):
 def test_streaming_equals_non_streaming(server):
     client = server.client()
     for prompt in PROMPTS[:2]:
-        whole = client.completions.create(model=server.model_name, prompt=prompt,
-                                          max_tokens=20, temperature=0)
-        stream = client.completions.create(model=server.model_name, prompt=prompt,
-                                           max_tokens=20, temperature=0, stream=True,
-                                           stream_options={"include_usage": True})
+        whole = client.completions.create(
+            model=server.model_name, prompt=prompt, max_tokens=20, temperature=0
+        )
+        stream = client.completions.create(
+            model=server.model_name,
+            prompt=prompt,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text, usage, finish = "", None, None
         for chunk in stream:
             if chunk.choices:
@@ -88,30 +112,40 @@ def test_streaming_equals_non_streaming(server):
         assert text == whole.choices[0].text
         assert finish == whole.choices[0].finish_reason
         assert usage.completion_tokens == whole.usage.completion_tokens
-    chat_whole = client.chat.completions.create(model=server.model_name, messages=CHATS[0],
-                                                max_tokens=20, temperature=0)
-    chat_stream = client.chat.completions.create(model=server.model_name, messages=CHATS[0],
-                                                 max_tokens=20, temperature=0, stream=True)
+    chat_whole = client.chat.completions.create(
+        model=server.model_name, messages=CHATS[0], max_tokens=20, temperature=0
+    )
+    chat_stream = client.chat.completions.create(
+        model=server.model_name, messages=CHATS[0], max_tokens=20, temperature=0, stream=True
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chat_stream if c.choices)
     assert text == chat_whole.choices[0].message.content
 
 
 def test_stop_strings_and_n(server):
     client = server.client()
-    whole = client.completions.create(model=server.model_name, prompt=PROMPTS[2],
-                                      max_tokens=24, temperature=0).choices[0].text
+    whole = (
+        client.completions.create(
+            model=server.model_name, prompt=PROMPTS[2], max_tokens=24, temperature=0
+        )
+        .choices[0]
+        .text
+    )
     words = whole.split()
     assert len(words) > 3
     stop = " " + words[2]  # a stop string spanning into a later token
-    r = client.completions.create(model=server.model_name, prompt=PROMPTS[2], max_tokens=24,
-                                  temperature=0, stop=[stop])
+    r = client.completions.create(
+        model=server.model_name, prompt=PROMPTS[2], max_tokens=24, temperature=0, stop=[stop]
+    )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == whole[: whole.index(stop)]
-    r = client.completions.create(model=server.model_name, prompt=PROMPTS[0], max_tokens=8,
-                                  temperature=0.8, n=3, seed=7)
+    r = client.completions.create(
+        model=server.model_name, prompt=PROMPTS[0], max_tokens=8, temperature=0.8, n=3, seed=7
+    )
     assert [c.index for c in r.choices] == [0, 1, 2]
-    again = client.completions.create(model=server.model_name, prompt=PROMPTS[0], max_tokens=8,
-                                      temperature=0.8, n=3, seed=7)
+    again = client.completions.create(
+        model=server.model_name, prompt=PROMPTS[0], max_tokens=8, temperature=0.8, n=3, seed=7
+    )
     assert [c.text for c in r.choices] == [c.text for c in again.choices]
     assert_no_blocks_in_use(server)
 
@@ -119,16 +153,22 @@ def test_stop_strings_and_n(server):
 def test_echo_prompt_logprobs_match_transformers(server, hf):
     client = server.client()
     prompt = PROMPTS[2]
-    r = client.completions.create(model=server.model_name, prompt=prompt, max_tokens=1,
-                                  temperature=0, echo=True, logprobs=2,
-                                  extra_body={"return_token_ids": True})
+    r = client.completions.create(
+        model=server.model_name,
+        prompt=prompt,
+        max_tokens=1,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+        extra_body={"return_token_ids": True},
+    )
     c = r.choices[0]
     prompt_ids = c.model_extra["prompt_token_ids"]
     expected = hf.prompt_logprobs(prompt_ids)
     got = c.logprobs.token_logprobs
     assert got[0] is None
     assert len(got) == len(prompt_ids) + 1
-    for a, b in zip(got[1:len(prompt_ids)], expected):
+    for a, b in zip(got[1 : len(prompt_ids)], expected):
         assert abs(a - b) < 1e-3, (a, b)
     assert c.text.startswith(prompt)
     assert all(len(t) >= 1 for t in c.logprobs.top_logprobs[1:])
@@ -145,8 +185,12 @@ def test_models_health_tokenize_version_metrics(server):
     detok = httpx.post(base + "/detokenize", json={"tokens": tok["tokens"]}).json()
     assert "Hello world" in detok["prompt"]
     metrics = httpx.get(base + "/metrics").text
-    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
+    ):
         assert name in metrics
 
 
@@ -196,8 +240,10 @@ def test_malformed_requests_get_4xx_and_server_keeps_serving(server):
         ("/v1/chat/completions", b'{"messages": []}'),
         ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "x"}]}'),
         ("/v1/chat/completions", b'{"messages": "hello"}'),
-        ("/v1/chat/completions",
-         b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}'),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}',
+        ),
     ]
     for path, raw in cases:
         r = httpx.post(base + path, content=raw, headers={"content-type": "application/json"})
@@ -206,8 +252,9 @@ def test_malformed_requests_get_4xx_and_server_keeps_serving(server):
     r = httpx.post(base + "/v1/completions", json={"model": "nope", "prompt": "hi"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert httpx.get(base + "/v1/nothing").status_code == 404
-    ok = server.client().completions.create(model=server.model_name, prompt="Hi",
-                                            max_tokens=2, temperature=0)
+    ok = server.client().completions.create(
+        model=server.model_name, prompt="Hi", max_tokens=2, temperature=0
+    )
     assert ok.choices[0].text is not None
     assert_no_blocks_in_use(server)
 
@@ -215,21 +262,31 @@ def test_malformed_requests_get_4xx_and_server_keeps_serving(server):
 def test_aborted_streams_free_their_blocks(server):
     async def run():
         async with httpx.AsyncClient(timeout=60) as http:
+
             async def partial(i):
-                body = {"model": server.model_name, "prompt": PROMPTS[i % 4] * 3,
-                        "max_tokens": 200, "temperature": 0, "stream": True}
-                async with http.stream("POST", server.base_url + "/v1/completions",
-                                       json=body) as resp:
+                body = {
+                    "model": server.model_name,
+                    "prompt": PROMPTS[i % 4] * 3,
+                    "max_tokens": 200,
+                    "temperature": 0,
+                    "stream": True,
+                }
+                async with http.stream(
+                    "POST", server.base_url + "/v1/completions", json=body
+                ) as resp:
                     seen = 0
                     async for line in resp.aiter_lines():
                         if line.startswith("data:"):
                             seen += 1
                         if seen >= 3:
                             return  # leave mid-stream: the server must abort the request
+
             await asyncio.gather(*(partial(i) for i in range(6)))
 
     asyncio.run(run())
-    assert_no_blocks_in_use(server, )
+    assert_no_blocks_in_use(
+        server,
+    )
 
 
 @pytest.mark.slow
@@ -242,9 +299,16 @@ def test_tight_server_chunked_prefill_preemption_prefix_cache(tight_server, hf):
 
     async def run():
         client = s.async_client()
-        calls = [client.completions.create(model=s.model_name, prompt=p, max_tokens=24,
-                                           temperature=0, extra_body={"return_token_ids": True})
-                 for p in prompts + prompts[:2]]
+        calls = [
+            client.completions.create(
+                model=s.model_name,
+                prompt=p,
+                max_tokens=24,
+                temperature=0,
+                extra_body={"return_token_ids": True},
+            )
+            for p in prompts + prompts[:2]
+        ]
         return await asyncio.gather(*calls)
 
     results = asyncio.run(run())
@@ -267,21 +331,31 @@ def test_tight_server_chunked_prefill_preemption_prefix_cache(tight_server, hf):
 
 def test_min_tokens_holds_back_eos(server, hf):
     client = server.client()
-    natural = client.chat.completions.create(model=server.model_name, messages=CHATS[0],
-                                             max_tokens=40, temperature=0)
+    natural = client.chat.completions.create(
+        model=server.model_name, messages=CHATS[0], max_tokens=40, temperature=0
+    )
     n = natural.usage.completion_tokens
     assert natural.choices[0].finish_reason == "stop" and n < 30
-    r = client.chat.completions.create(model=server.model_name, messages=CHATS[0],
-                                       max_tokens=40, temperature=0,
-                                       extra_body={"min_tokens": n + 5, "return_token_ids": True})
+    r = client.chat.completions.create(
+        model=server.model_name,
+        messages=CHATS[0],
+        max_tokens=40,
+        temperature=0,
+        extra_body={"min_tokens": n + 5, "return_token_ids": True},
+    )
     ids = r.choices[0].model_extra["token_ids"]
     assert len(ids) >= n + 5
     assert hf.tokenizer.eos_token_id not in ids[: n + 5]
 
 
 def test_non_streaming_client_timeout_aborts_request(server):
-    body = {"model": server.model_name, "prompt": PROMPTS[1], "max_tokens": 400,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": server.model_name,
+        "prompt": PROMPTS[1],
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.base_url + "/v1/completions", json=body, timeout=1.5)
     assert_no_blocks_in_use(server)
@@ -299,6 +373,9 @@ def test_executor_serves_grpc_health_and_reflection(server):
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
         refl = reflection_pb2_grpc.ServerReflectionStub(channel)
         req = reflection_pb2.ServerReflectionRequest(list_services="")
-        names = {s.name for r in refl.ServerReflectionInfo(iter([req]), timeout=5)
-                 for s in r.list_services_response.service}
+        names = {
+            s.name
+            for r in refl.ServerReflectionInfo(iter([req]), timeout=5)
+            for s in r.list_services_response.service
+        }
         assert "tandem.executor.v1.Executor" in names

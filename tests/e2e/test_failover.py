@@ -54,7 +54,9 @@ def test_killed_executor_is_recovered_and_streams_continue(default_model_dir, tm
 
         async def run():
             started = asyncio.Event()
-            tasks = [asyncio.create_task(stream_completion(server, p, [], started, 48)) for p in PROMPTS]
+            tasks = [
+                asyncio.create_task(stream_completion(server, p, [], started, 48)) for p in PROMPTS
+            ]
             await asyncio.wait_for(started.wait(), timeout=120)
             victim = server.executors[0]
             victim.send_signal(signal.SIGKILL)
@@ -62,7 +64,11 @@ def test_killed_executor_is_recovered_and_streams_continue(default_model_dir, tm
             log = open(os.path.join(str(tmp_path), "executor0-restarted.log"), "w")
             server.executors[0] = subprocess.Popen(
                 [sys.executable, *executor_command("executor_gpu", default_model_dir, port)],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
 
         texts = asyncio.run(run())
@@ -86,8 +92,10 @@ def _fail_one_mid_stream(server, sig: signal.Signals):
     async def run():
         started = asyncio.Event()
         chunks = [[] for _ in STREAM_PROMPTS]
-        tasks = [asyncio.create_task(stream_completion(server, p, c, started))
-                 for p, c in zip(STREAM_PROMPTS, chunks)]
+        tasks = [
+            asyncio.create_task(stream_completion(server, p, c, started))
+            for p, c in zip(STREAM_PROMPTS, chunks)
+        ]
         await asyncio.wait_for(started.wait(), timeout=120)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as http:
             state = (await http.get("/admin/executors")).json()["executors"]
@@ -115,10 +123,11 @@ def _fail_one_mid_stream(server, sig: signal.Signals):
 def test_kill9_one_of_two_executors_mid_stream(executor_pair, default_model_dir):
     server = executor_pair
     wait_healthy_executors(server, 2)
-    texts, expected, index, detected, pause, victim = _fail_one_mid_stream(
-        server, signal.SIGKILL)
-    print(f"\nFLEET kill -9: {victim['requests']} requests on the victim, detected "
-          f"{detected:.2f}s, longest stream pause {pause:.2f}s")
+    texts, expected, index, detected, pause, victim = _fail_one_mid_stream(server, signal.SIGKILL)
+    print(
+        f"\nFLEET kill -9: {victim['requests']} requests on the victim, detected "
+        f"{detected:.2f}s, longest stream pause {pause:.2f}s"
+    )
     assert texts == expected
     # Every block on the survivor is back; the victim holds nothing.
     assert_no_blocks_in_use(server)
@@ -130,7 +139,11 @@ def test_kill9_one_of_two_executors_mid_stream(executor_pair, default_model_dir)
     log = open(os.path.join(server.log_dir, f"executor{index}-restarted.log"), "w")
     server.executors[index] = subprocess.Popen(
         [sys.executable, *executor_command("executor_gpu", default_model_dir, port)],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     state = wait_healthy_executors(server, 2)
     back = next(e for e in state if e["address"] == victim["address"])
     assert back["incarnation"] != victim["incarnation"] and back["reconnects"] >= 1
@@ -146,10 +159,11 @@ def test_kill9_one_of_two_executors_mid_stream(executor_pair, default_model_dir)
 def test_hung_executor_is_detected_by_timeout(executor_pair):
     server = executor_pair
     wait_healthy_executors(server, 2)
-    texts, expected, index, detected, pause, victim = _fail_one_mid_stream(
-        server, signal.SIGSTOP)
-    print(f"\nFLEET SIGSTOP: {victim['requests']} requests on the victim, detected "
-          f"{detected:.2f}s, longest stream pause {pause:.2f}s")
+    texts, expected, index, detected, pause, victim = _fail_one_mid_stream(server, signal.SIGSTOP)
+    print(
+        f"\nFLEET SIGSTOP: {victim['requests']} requests on the victim, detected "
+        f"{detected:.2f}s, longest stream pause {pause:.2f}s"
+    )
     try:
         assert texts == expected
         assert detected < 15, detected
@@ -173,10 +187,18 @@ def test_without_a_healthy_executor_requests_wait_then_get_503(default_model_dir
     """The only executor dies for good: requests in flight wait `--no-executor-timeout`, then
     fail with a clear message (an error event in a stream, a 503 otherwise); new requests
     wait as long, then get a 503; /health and /v1/models show the empty fleet."""
-    server = start_server(default_model_dir, str(tmp_path),
-                          controller_args=[*FAST_HEALTH, "--no-executor-timeout", "3"])
-    body = {"model": server.model_name, "prompt": PROMPTS[1], "max_tokens": 300,
-            "temperature": 0, "ignore_eos": True}
+    server = start_server(
+        default_model_dir,
+        str(tmp_path),
+        controller_args=[*FAST_HEALTH, "--no-executor-timeout", "3"],
+    )
+    body = {
+        "model": server.model_name,
+        "prompt": PROMPTS[1],
+        "max_tokens": 300,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
 
     async def in_flight():
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
@@ -184,8 +206,9 @@ def test_without_a_healthy_executor_requests_wait_then_get_503(default_model_dir
 
             async def stream():
                 events = []
-                async with http.stream("POST", "/v1/completions",
-                                       json={**body, "stream": True}) as resp:
+                async with http.stream(
+                    "POST", "/v1/completions", json={**body, "stream": True}
+                ) as resp:
                     async for line in resp.aiter_lines():
                         if line.startswith("data:"):
                             events.append(line[5:].strip())
@@ -216,8 +239,11 @@ def test_without_a_healthy_executor_requests_wait_then_get_503(default_model_dir
         assert model["executors"]["healthy"] == 0 and model["executors"]["total"] == 1
         for stream in (False, True):
             started = time.time()
-            r = httpx.post(server.base_url + "/v1/completions",
-                           json={**body, "max_tokens": 4, "stream": stream}, timeout=30)
+            r = httpx.post(
+                server.base_url + "/v1/completions",
+                json={**body, "max_tokens": 4, "stream": stream},
+                timeout=30,
+            )
             assert r.status_code == 503, r.text
             assert time.time() - started >= 2.9
             err = r.json()["error"]

@@ -17,8 +17,11 @@ import pytest
 from tests.e2e.helpers import assert_no_blocks_in_use
 from tests.support.processes import executor_module_available, start_server, wait_healthy_executors
 
-SECOND = ("executor_tpu" if executor_module_available("executor_tpu")
-          and importlib.util.find_spec("torch_xla") else "executor_gpu")
+SECOND = (
+    "executor_tpu"
+    if executor_module_available("executor_tpu") and importlib.util.find_spec("torch_xla")
+    else "executor_gpu"
+)
 KINDS = ("executor_gpu", SECOND)
 # Small steps keep a static-shape executor's compiled buckets few (and cheap on XLA:CPU).
 CONTROLLER_ARGS = ["--executor-limits", "tpu=64,8"]
@@ -27,12 +30,18 @@ WORDS = ["red", "blue", "green", "old", "young", "tall", "small", "big", "slow",
 
 @pytest.fixture(scope="module")
 def fleet(default_model_dir, tmp_path_factory):
-    s = start_server(default_model_dir, str(tmp_path_factory.mktemp("fleet")),
-                     controller_args=CONTROLLER_ARGS, executor_kinds=KINDS, timeout=900)
+    s = start_server(
+        default_model_dir,
+        str(tmp_path_factory.mktemp("fleet")),
+        controller_args=CONTROLLER_ARGS,
+        executor_kinds=KINDS,
+        timeout=900,
+    )
     wait_healthy_executors(s, 2, timeout=900)
     # A few requests of each shape first, so that both step-cost models are measured.
-    run_concurrently(s, [f"Warm-up {i}: " + "tell me more " * (1 + 8 * (i % 2))
-                         for i in range(8)], 12)
+    run_concurrently(
+        s, [f"Warm-up {i}: " + "tell me more " * (1 + 8 * (i % 2)) for i in range(8)], 12
+    )
     yield s
     s.stop()
 
@@ -41,9 +50,11 @@ def shared_prefix_prompts(groups: int = 4, per_group: int = 5) -> list[str]:
     """`groups` documents of ~130 tokens, each followed by `per_group` different questions;
     a fresh nonce so that no earlier request shares a prefix. Shuffled."""
     nonce = random.randrange(10**5, 10**6)
-    docs = [f"Document {nonce}-{g}: " + " ".join(
-        f"fact {g}.{i} is that the {w} cat sat." for i, w in enumerate(WORDS))
-        for g in range(groups)]
+    docs = [
+        f"Document {nonce}-{g}: "
+        + " ".join(f"fact {g}.{i} is that the {w} cat sat." for i, w in enumerate(WORDS))
+        for g in range(groups)
+    ]
     prompts = [f"{d} Question {k}: what is fact {k}?" for d in docs for k in range(per_group)]
     random.Random(nonce).shuffle(prompts)
     return prompts
@@ -55,9 +66,18 @@ def run_concurrently(server, prompts: list[str], max_tokens) -> list:
 
     async def run():
         async with server.async_client() as client:
-            return await asyncio.gather(*(client.completions.create(
-                model=server.model_name, prompt=p, max_tokens=n, temperature=0,
-                extra_body={"ignore_eos": True}) for p, n in zip(prompts, limits)))
+            return await asyncio.gather(
+                *(
+                    client.completions.create(
+                        model=server.model_name,
+                        prompt=p,
+                        max_tokens=n,
+                        temperature=0,
+                        extra_body={"ignore_eos": True},
+                    )
+                    for p, n in zip(prompts, limits)
+                )
+            )
 
     return asyncio.run(run())
 
@@ -81,10 +101,14 @@ def compare_hit_rates(fleet, single) -> tuple[float, float, dict[str, int]]:
     single_responses = run_concurrently(single, prompts, 4)
     after = placed(fleet)
     assert [r.choices[0].text for r in fleet_responses] == [
-        r.choices[0].text for r in single_responses]
+        r.choices[0].text for r in single_responses
+    ]
     assert_no_blocks_in_use(fleet)
-    return (hit_rate(fleet_responses), hit_rate(single_responses),
-            {a: after[a] - before[a] for a in after})
+    return (
+        hit_rate(fleet_responses),
+        hit_rate(single_responses),
+        {a: after[a] - before[a] for a in after},
+    )
 
 
 @pytest.mark.slow
@@ -93,8 +117,10 @@ def test_shared_prefixes_land_where_they_are_cached(fleet, server):
     workload (each document's requests follow its cached prefix, within the bound)."""
     fleet_rate, single_rate, share = compare_hit_rates(fleet, server)
     kinds = {e["address"]: e["kind"] for e in fleet.executors_state()}
-    print(f"\nFLEET prefix hit rate ({'+'.join(kinds.values())}): fleet {fleet_rate:.3f}, "
-          f"single executor {single_rate:.3f}, placements {share}")
+    print(
+        f"\nFLEET prefix hit rate ({'+'.join(kinds.values())}): fleet {fleet_rate:.3f}, "
+        f"single executor {single_rate:.3f}, placements {share}"
+    )
     assert single_rate > 0.5
     assert fleet_rate >= single_rate - 0.1  # close: a loaded machine shifts a few requests
 
@@ -105,8 +131,10 @@ def test_shared_prefixes_on_two_equal_executors(executor_pair, server):
     as a single executor: the requests of one document go where its prefix is."""
     wait_healthy_executors(executor_pair, 2)
     fleet_rate, single_rate, share = compare_hit_rates(executor_pair, server)
-    print(f"\nFLEET prefix hit rate (cpu+cpu): fleet {fleet_rate:.3f}, single executor "
-          f"{single_rate:.3f}, placements {share}")
+    print(
+        f"\nFLEET prefix hit rate (cpu+cpu): fleet {fleet_rate:.3f}, single executor "
+        f"{single_rate:.3f}, placements {share}"
+    )
     assert fleet_rate >= single_rate - 0.1  # close: a loaded machine shifts a few requests
     assert all(n >= 4 for n in share.values()), share  # at least about a document each
 
@@ -129,9 +157,11 @@ def test_mixed_workload_is_spread_by_speed(fleet):
 
     share = {a: after[a] - before[a] for a in after}
     speed = {a: 1 / seconds_per_token(state[a]) for a in state}
-    print(f"\nFLEET mixed workload: requests {share}, relative speed "
-          f"{ {a: round(s / max(speed.values()), 2) for a, s in speed.items()} }, kinds "
-          f"{ {a: state[a]['kind'] for a in state} }")
+    print(
+        f"\nFLEET mixed workload: requests {share}, relative speed "
+        f"{ {a: round(s / max(speed.values()), 2) for a, s in speed.items()} }, kinds "
+        f"{ {a: state[a]['kind'] for a in state} }"
+    )
     assert all(n > 0 for n in share.values()), share
     fast, slow = sorted(state, key=lambda a: -speed[a])
     if speed[fast] >= 1.5 * speed[slow]:
@@ -151,9 +181,24 @@ def test_models_health_and_admin_show_the_fleet(fleet):
     admin = httpx.get(base + "/admin/executors").json()
     assert admin["requests_waiting_for_executor"] == 0
     for e in admin["executors"]:
-        for key in ("address", "kind", "state", "healthy", "incarnation", "running", "waiting",
-                    "kv_usage", "used_blocks", "requests", "step_overhead_ms", "per_token_ms",
-                    "requests_placed", "prefix_cache_hits", "losses", "reconnects"):
+        for key in (
+            "address",
+            "kind",
+            "state",
+            "healthy",
+            "incarnation",
+            "running",
+            "waiting",
+            "kv_usage",
+            "used_blocks",
+            "requests",
+            "step_overhead_ms",
+            "per_token_ms",
+            "requests_placed",
+            "prefix_cache_hits",
+            "losses",
+            "reconnects",
+        ):
             assert key in e, key
         assert e["state"] == "healthy" and e["incarnation"] and e["num_blocks"] > 1
     kinds = {e["kind"] for e in admin["executors"]}

@@ -41,29 +41,64 @@ def start_sims(model: str, tmp: str) -> tuple[list[subprocess.Popen], list[int]]
     procs, files = [], []
     for i in range(PROCESSES):
         ports_file = os.path.join(tmp, f"sim{i}.ports")
-        procs.append(spawn_process(
-            ["-m", "executor_sim", "--model", model, "--host", "127.0.0.1", "--port", "0",
-             "--count", str(PER_PROCESS), "--ports-file", ports_file, "--seed", str(1000 * i),
-             "--num-blocks", "256", "--step-fixed-ms", "10", "--step-per-token-us", "10",
-             "--log-level", "WARNING"], os.path.join(tmp, f"sim{i}.log")))
+        procs.append(
+            spawn_process(
+                [
+                    "-m",
+                    "executor_sim",
+                    "--model",
+                    model,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--count",
+                    str(PER_PROCESS),
+                    "--ports-file",
+                    ports_file,
+                    "--seed",
+                    str(1000 * i),
+                    "--num-blocks",
+                    "256",
+                    "--step-fixed-ms",
+                    "10",
+                    "--step-per-token-us",
+                    "10",
+                    "--log-level",
+                    "WARNING",
+                ],
+                os.path.join(tmp, f"sim{i}.log"),
+            )
+        )
         files.append(ports_file)
     return procs, read_ports_files(files, 120, logs=tmp)
 
 
-async def serve_all(base_url: str, model: str, vocab: int,
-                    on_result: Callable[[int], None]) -> list[tuple[int, dict]]:
+async def serve_all(
+    base_url: str, model: str, vocab: int, on_result: Callable[[int], None]
+) -> list[tuple[int, dict]]:
     """REQUESTS non-streamed completions, IN_FLIGHT at a time: (max_tokens, response).
     ``on_result`` gets the number of responses so far after each one."""
     rng = random.Random(7)
-    bodies = iter([{"model": model, "max_tokens": rng.randint(1, 8), "ignore_eos": True,
-                    "prompt": [rng.randrange(100, vocab) for _ in range(rng.randint(4, 40))],
-                    "temperature": 0} for _ in range(REQUESTS)])
+    bodies = iter(
+        [
+            {
+                "model": model,
+                "max_tokens": rng.randint(1, 8),
+                "ignore_eos": True,
+                "prompt": [rng.randrange(100, vocab) for _ in range(rng.randint(4, 40))],
+                "temperature": 0,
+            }
+            for _ in range(REQUESTS)
+        ]
+    )
     results: list[tuple[int, dict]] = []
 
     async def client_loop(workers: int) -> None:
         # One small pool per few workers: httpx's pool scans all its connections per request.
         limits = httpx.Limits(max_connections=workers, max_keepalive_connections=workers)
         async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+
             async def worker() -> None:
                 for body in bodies:
                     r = await client.post(base_url + "/v1/completions", json=body)
@@ -78,7 +113,8 @@ async def serve_all(base_url: str, model: str, vocab: int,
 
 
 def test_twenty_thousand_requests_over_two_hundred_executors_one_process_lost(
-        default_model_dir, tmp_path):
+    default_model_dir, tmp_path
+):
     from common.wire.model_config import load_model_geometry
 
     tmp = str(tmp_path)
@@ -103,12 +139,15 @@ def test_twenty_thousand_requests_over_two_hundred_executors_one_process_lost(
                 rss_mid.append(rss_mib(server.controller.pid))
 
         started = time.monotonic()
-        results = asyncio.run(serve_all(server.base_url, server.model_name, vocab,
-                                        kill_one_process))
+        results = asyncio.run(
+            serve_all(server.base_url, server.model_name, vocab, kill_one_process)
+        )
         seconds = time.monotonic() - started
-        print(f"\nFLEET SCALE: {REQUESTS} requests over {len(ports)} executors, "
-              f"{len(lost)} of them lost a third of the way, in {seconds:.1f} s "
-              f"({REQUESTS / seconds:.0f} requests/s)")
+        print(
+            f"\nFLEET SCALE: {REQUESTS} requests over {len(ports)} executors, "
+            f"{len(lost)} of them lost a third of the way, in {seconds:.1f} s "
+            f"({REQUESTS / seconds:.0f} requests/s)"
+        )
 
         assert len(results) == REQUESTS
         for max_tokens, body in results:
@@ -129,8 +168,11 @@ def test_twenty_thousand_requests_over_two_hundred_executors_one_process_lost(
         metrics = httpx.get(server.base_url + "/metrics", timeout=30).text
 
         def total(prefix: str, label: str = "") -> float:
-            return sum(float(line.split()[-1]) for line in metrics.splitlines()
-                       if line.startswith(prefix) and label in line)
+            return sum(
+                float(line.split()[-1])
+                for line in metrics.splitlines()
+                if line.startswith(prefix) and label in line
+            )
 
         assert total("vllm:request_success_total{", 'finished_reason="length"') == REQUESTS
         moved = total("tandem:requests_failed_over_total{")

@@ -29,9 +29,11 @@ GENERATION = {"/v1/completions", "/v1/chat/completions"}
 @pytest.fixture(scope="module")
 def fuzz_server(default_model_dir, tmp_path_factory):
     """A server with a short context, so no generated request can run long."""
-    s = start_server(default_model_dir, str(tmp_path_factory.mktemp("fuzz")),
-                     controller_args=["--max-model-len", "256",
-                                      "--max-request-bytes", str(MAX_BYTES)])
+    s = start_server(
+        default_model_dir,
+        str(tmp_path_factory.mktemp("fuzz")),
+        controller_args=["--max-model-len", "256", "--max-request-bytes", str(MAX_BYTES)],
+    )
     r = httpx.post(s.base_url + "/v1/completions", json=REFERENCE, timeout=TIMEOUT)
     assert r.status_code == 200
     s.reference_text = r.json()["choices"][0]["text"]
@@ -62,10 +64,16 @@ def test_schema_fuzz_never_5xx(fuzz_server):
     for result in schema.get_all_operations():
         operation = result.ok()
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+
             @given(case=operation.as_strategy(generation_mode=mode))
-            @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True,
-                      phases=[Phase.generate], suppress_health_check=list(HealthCheck),
-                      database=None)
+            @settings(
+                max_examples=MAX_EXAMPLES,
+                deadline=None,
+                derandomize=True,
+                phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck),
+                database=None,
+            )
             def run(case):
                 nonlocal calls
                 if case.path in GENERATION:
@@ -73,8 +81,10 @@ def test_schema_fuzz_never_5xx(fuzz_server):
                 response = case.call(timeout=TIMEOUT)
                 calls += 1
                 if response.status_code >= 500:
-                    failures.append(f"{case.method} {case.path} {case.body!r:.300} -> "
-                                    f"{response.status_code} {response.text[:300]}")
+                    failures.append(
+                        f"{case.method} {case.path} {case.body!r:.300} -> "
+                        f"{response.status_code} {response.text[:300]}"
+                    )
 
             try:
                 run()
@@ -97,23 +107,36 @@ def _raw_cases() -> list[tuple[str, bytes | str, str]]:
     for _ in range(200):
         nested = {"a": [nested]}
     return [
-        (c, b"", js), (chat, b"", js), ("/tokenize", b"", js), ("/detokenize", b"", js),
-        (c, b"{not json", js), (c, b"{\"prompt\": ", js), (c, b"\xff\xfe\x00garbage", js),
-        (c, b"null", js), (c, b"[]", js), (c, b"42", js), (c, b'"string"', js),
+        (c, b"", js),
+        (chat, b"", js),
+        ("/tokenize", b"", js),
+        ("/detokenize", b"", js),
+        (c, b"{not json", js),
+        (c, b'{"prompt": ', js),
+        (c, b"\xff\xfe\x00garbage", js),
+        (c, b"null", js),
+        (c, b"[]", js),
+        (c, b"42", js),
+        (c, b'"string"', js),
         (c, j({"prompt": "hi"}), "text/plain"),
         (c, b"prompt=hi", "application/x-www-form-urlencoded"),
-        (c, j({"prompt": 5}), js), (c, j({"prompt": None}), js), (c, j({"prompt": True}), js),
-        (c, j({"prompt": [[1, 2], "x"]}), js), (c, j({"prompt": [1.5, 2]}), js),
+        (c, j({"prompt": 5}), js),
+        (c, j({"prompt": None}), js),
+        (c, j({"prompt": True}), js),
+        (c, j({"prompt": [[1, 2], "x"]}), js),
+        (c, j({"prompt": [1.5, 2]}), js),
         (c, j({"prompt": "hi", "max_tokens": "ten"}), js),
         (c, j({"prompt": "hi", "max_tokens": 10**30}), js),
         (c, b'{"prompt": "hi", "max_tokens": 1e400}', js),
         (c, b'{"prompt": "hi", "temperature": NaN}', js),
         (c, b'{"prompt": "hi", "top_p": -Infinity}', js),
         (c, j({"prompt": "hi", "max_tokens": -1}), js),
-        (c, j({"prompt": "hi", "n": -5}), js), (c, j({"prompt": "hi", "n": 2**63}), js),
+        (c, j({"prompt": "hi", "n": -5}), js),
+        (c, j({"prompt": "hi", "n": 2**63}), js),
         (c, j({"prompt": "hi", "logprobs": -1}), js),
         (c, j({"prompt": "hi", "logprobs": 10**9}), js),
-        (c, j({"prompt": "hi", "seed": 2**64}), js), (c, j({"prompt": "hi", "top_k": 2**40}), js),
+        (c, j({"prompt": "hi", "seed": 2**64}), js),
+        (c, j({"prompt": "hi", "top_k": 2**40}), js),
         (c, j({"prompt": "hi", "min_tokens": 2**40, "max_tokens": 2}), js),
         (c, j({"prompt": "hi", "priority": -(2**70), "max_tokens": 2}), js),
         (c, j({"prompt": "hi", "stop": "x" * 100000, "max_tokens": 2}), js),
@@ -129,8 +152,10 @@ def _raw_cases() -> list[tuple[str, bytes | str, str]]:
         (c, j({"prompt": "hi", "nested": nested, "max_tokens": 2}), js),
         (c, j({"prompt": "hi", "extra": {"deep": [[[[[[{"x": None}]]]]]]}, "max_tokens": 2}), js),
         (c, j({"prompt": "x" * (MAX_BYTES + 1)}), js),
-        (chat, j({"messages": None}), js), (chat, j({"messages": [None]}), js),
-        (chat, j({"messages": [{}]}), js), (chat, j({"messages": [{"role": 5}]}), js),
+        (chat, j({"messages": None}), js),
+        (chat, j({"messages": [None]}), js),
+        (chat, j({"messages": [{}]}), js),
+        (chat, j({"messages": [{"role": 5}]}), js),
         (chat, j({"messages": [{"role": "user", "content": {"x": 1}}]}), js),
         (chat, j({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), js),
         (chat, j({"messages": [{"role": "user", "content": [5]}]}), js),
@@ -139,13 +164,18 @@ def _raw_cases() -> list[tuple[str, bytes | str, str]]:
         (chat, j({"messages": msg, "chat_template_kwargs": {"messages": 1}}), js),
         (chat, j({"messages": msg, "chat_template_kwargs": {"chat_template": "{{ 7*7 }}"}}), js),
         (chat, j({"messages": msg, "chat_template_kwargs": [1]}), js),
-        (chat, j({"messages": msg, "tools": [{"type": "function", "function": 7}],
-                  "max_tokens": 2}), js),
+        (
+            chat,
+            j({"messages": msg, "tools": [{"type": "function", "function": 7}], "max_tokens": 2}),
+            js,
+        ),
         (chat, j({"messages": msg, "top_logprobs": 5, "logprobs": "maybe"}), js),
         (chat, j({"messages": msg, "max_completion_tokens": 0}), js),
-        ("/tokenize", j({"prompt": "a", "messages": msg}), js), ("/tokenize", j({}), js),
+        ("/tokenize", j({"prompt": "a", "messages": msg}), js),
+        ("/tokenize", j({}), js),
         ("/tokenize", b'{"prompt": "\\ud800"}', js),
-        ("/detokenize", j({"tokens": [-1]}), js), ("/detokenize", j({"tokens": ["a"]}), js),
+        ("/detokenize", j({"tokens": [-1]}), js),
+        ("/detokenize", j({"tokens": ["a"]}), js),
         ("/detokenize", j({"tokens": [2**70]}), js),
     ]
 
@@ -159,8 +189,12 @@ def test_malformed_bodies_get_4xx(fuzz_server):
             if r.status_code >= 400:
                 err = r.json()["error"]
                 assert set(err) == {"message", "type", "param", "code"} and err["message"]
-        for method, path in (("GET", "/v1/completions"), ("PUT", "/v1/models"),
-                             ("DELETE", "/health"), ("POST", "/v1/nothing")):
+        for method, path in (
+            ("GET", "/v1/completions"),
+            ("PUT", "/v1/models"),
+            ("DELETE", "/health"),
+            ("POST", "/v1/nothing"),
+        ):
             r = http.request(method, path)
             assert r.status_code in (404, 405), (method, path, r.status_code)
             assert r.json()["error"]["message"]
@@ -178,5 +212,3 @@ def test_server_is_sound_after_fuzzing(fuzz_server):
     metrics = httpx.get(s.base_url + "/metrics", timeout=10).text
     assert gauge(metrics, "vllm:num_requests_running") == 0
     assert gauge(metrics, "vllm:kv_cache_usage_perc") == 0
-
-

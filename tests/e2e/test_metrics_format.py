@@ -15,22 +15,31 @@ from tests.support.processes import ROOT
 
 # Every name ../shared/REFERENCE.md lists for vLLM, as exposed (counters with `_total`).
 VLLM_NAMES = {
-    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
-    "vllm:kv_cache_usage_perc": "gauge", "vllm:cache_config_info": "gauge",
-    "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
-    "vllm:request_success": "counter", "vllm:num_preemptions": "counter",
-    "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:cache_config_info": "gauge",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
     "vllm:time_to_first_token_seconds": "histogram",
     "vllm:inter_token_latency_seconds": "histogram",
     "vllm:e2e_request_latency_seconds": "histogram",
     "vllm:request_queue_time_seconds": "histogram",
     "vllm:request_prefill_time_seconds": "histogram",
     "vllm:request_decode_time_seconds": "histogram",
-    "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
+    "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram",
     "vllm:iteration_tokens_total": "histogram",
 }
-FLEET_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                "vllm:kv_cache_usage_perc")
+FLEET_GAUGES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+)
 
 
 def _families(server) -> dict:
@@ -56,9 +65,14 @@ def test_vllm_names_and_executor_labels(server):
     assert {s.labels["executor"] for s in per_executor} == executors
     states = families["tandem:executors"].samples
     assert sum(s.value for s in states if s.labels["state"] == "healthy") == len(executors)
-    for name in ("tandem:step_duration_seconds", "tandem:executor_lost",
-                 "tandem:requests_failed_over", "tandem:executor_reconnects",
-                 "tandem:executor_healthy", "tandem:executor_kv_cache_usage_perc"):
+    for name in (
+        "tandem:step_duration_seconds",
+        "tandem:executor_lost",
+        "tandem:requests_failed_over",
+        "tandem:executor_reconnects",
+        "tandem:executor_healthy",
+        "tandem:executor_kv_cache_usage_perc",
+    ):
         assert name in families, name
 
 
@@ -100,8 +114,11 @@ def test_observe_many_equals_repeated_observe():
                 for _ in range(times):
                     child.observe(amount)
         text = generate_latest(registry).decode()
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for f in text_string_to_metric_families(text) for s in f.samples}
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        }
 
     bulk, single = exposition(bulk=True), exposition(bulk=False)
     assert bulk.keys() == single.keys()

@@ -30,32 +30,48 @@ async def _stream(base_url: str, body: dict, events: list[dict]) -> str:
             assert resp.status_code == 200
             async for line in resp.aiter_lines():
                 if line.startswith("data: "):
-                    payload = line[len("data: "):]
+                    payload = line[len("data: ") :]
                     events.append({"done": True} if payload == "[DONE]" else json.loads(payload))
     return "".join(c["text"] for e in events for c in e.get("choices", ()))
 
 
 def _finish(events: list[dict]) -> str | None:
-    reasons = [c["finish_reason"] for e in events for c in e.get("choices", ())
-               if c.get("finish_reason")]
+    reasons = [
+        c["finish_reason"] for e in events for c in e.get("choices", ()) if c.get("finish_reason")
+    ]
     return reasons[-1] if reasons else None
 
 
 @pytest.mark.slow
 def test_controller_sigterm_drains_then_aborts(default_model_dir, tmp_path):
-    s = start_server(default_model_dir, str(tmp_path),
-                     controller_args=["--shutdown-grace", str(GRACE), "--retry-after", "3"])
+    s = start_server(
+        default_model_dir,
+        str(tmp_path),
+        controller_args=["--shutdown-grace", str(GRACE), "--retry-after", "3"],
+    )
     try:
-        long_body = {"model": s.model_name, "max_tokens": 2000, "temperature": 0,
-                     "ignore_eos": True, "stream": True}
-        short_body = {"model": s.model_name, "prompt": PROMPTS[1], "max_tokens": 12,
-                      "temperature": 0, "stream": True}
+        long_body = {
+            "model": s.model_name,
+            "max_tokens": 2000,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        short_body = {
+            "model": s.model_name,
+            "prompt": PROMPTS[1],
+            "max_tokens": 12,
+            "temperature": 0,
+            "stream": True,
+        }
 
         async def run():
             long_events = [[] for _ in range(3)]
             short_events: list[dict] = []
-            tasks = [asyncio.create_task(_stream(s.base_url, {**long_body, "prompt": p}, ev))
-                     for p, ev in zip(PROMPTS, long_events)]
+            tasks = [
+                asyncio.create_task(_stream(s.base_url, {**long_body, "prompt": p}, ev))
+                for p, ev in zip(PROMPTS, long_events)
+            ]
             while not all(long_events):  # every long stream has started
                 await asyncio.sleep(0.05)
             short = asyncio.create_task(_stream(s.base_url, short_body, short_events))
@@ -67,8 +83,9 @@ def test_controller_sigterm_drains_then_aborts(default_model_dir, tmp_path):
             signalled = time.monotonic()
             await asyncio.sleep(0.3)
             async with httpx.AsyncClient(timeout=10) as http:
-                refused = await http.post(s.base_url + "/v1/completions",
-                                          json={**short_body, "stream": False})
+                refused = await http.post(
+                    s.base_url + "/v1/completions", json={**short_body, "stream": False}
+                )
                 health = await http.get(s.base_url + "/health")
             await asyncio.gather(*tasks, short)
             return long_events, short_events, refused, health, time.monotonic() - signalled
@@ -90,20 +107,29 @@ def test_controller_sigterm_drains_then_aborts(default_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_executor_sigterm_loses_no_request(default_model_dir, tmp_path):
-    s = start_server(default_model_dir, str(tmp_path), controller_args=FAST_HEALTH,
-                     executor_kinds=("executor_gpu",) * 2)
+    s = start_server(
+        default_model_dir,
+        str(tmp_path),
+        controller_args=FAST_HEALTH,
+        executor_kinds=("executor_gpu",) * 2,
+    )
     try:
         wait_healthy_executors(s, 2)
         prompts = [f"{p} (story {i})" for i, p in enumerate(PROMPTS * 2)]
         base = {"model": s.model_name, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-        expected = [httpx.post(s.base_url + "/v1/completions", json={**base, "prompt": p},
-                               timeout=120).json()["choices"][0]["text"] for p in prompts]
+        expected = [
+            httpx.post(
+                s.base_url + "/v1/completions", json={**base, "prompt": p}, timeout=120
+            ).json()["choices"][0]["text"]
+            for p in prompts
+        ]
 
         async def run():
             events = [[] for _ in prompts]
-            tasks = [asyncio.create_task(_stream(s.base_url, {**base, "prompt": p,
-                                                              "stream": True}, ev))
-                     for p, ev in zip(prompts, events)]
+            tasks = [
+                asyncio.create_task(_stream(s.base_url, {**base, "prompt": p, "stream": True}, ev))
+                for p, ev in zip(prompts, events)
+            ]
             while sum(len(ev) for ev in events) < 3 * len(prompts):
                 await asyncio.sleep(0.05)
             placed = {e["address"]: e["running"] + e["waiting"] for e in s.executors_state()}

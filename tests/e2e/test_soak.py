@@ -45,19 +45,30 @@ async def _wave(base_url: str, model: str, rng: random.Random, size: int) -> lis
     async with httpx.AsyncClient(timeout=120, limits=limits) as http:
         tasks = []
         for i in range(size):
-            body = {"model": model, "prompt": f"{rng.choice(PROMPTS)} ({i})",
-                    "max_tokens": rng.randint(2, 12), "temperature": rng.choice([0, 0.8]),
-                    "stream": True}
+            body = {
+                "model": model,
+                "prompt": f"{rng.choice(PROMPTS)} ({i})",
+                "max_tokens": rng.randint(2, 12),
+                "temperature": rng.choice([0, 0.8]),
+                "stream": True,
+            }
             roll = rng.random()
             leave_after = rng.randint(1, 4) if roll < 0.3 else None
             task = asyncio.create_task(
-                _stream(http, base_url + "/v1/completions", body, leave_after))
+                _stream(http, base_url + "/v1/completions", body, leave_after)
+            )
             if roll > 0.9:  # gone before (or just after) the response starts
                 asyncio.get_running_loop().call_later(rng.uniform(0.0, 1.0), task.cancel)
             tasks.append(task)
         results = await asyncio.gather(*tasks, return_exceptions=True)
-    return ["cancelled" if isinstance(r, asyncio.CancelledError) else
-            f"error:{r!r}" if isinstance(r, BaseException) else r for r in results]
+    return [
+        "cancelled"
+        if isinstance(r, asyncio.CancelledError)
+        else f"error:{r!r}"
+        if isinstance(r, BaseException)
+        else r
+        for r in results
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -100,5 +111,4 @@ def test_soak_streams_with_random_disconnects(soak_server):
     assert rss_after - rss_warm < RSS_SLACK_MIB, (rss_warm, rss_after)
     again = httpx.post(s.base_url + "/v1/completions", json=REFERENCE, timeout=60).json()
     assert again["choices"][0]["text"] == reference["choices"][0]["text"]
-    print(f"soak: {waves} waves, {outcomes}, controller RSS {rss_warm:.0f} -> "
-          f"{rss_after:.0f} MiB")
+    print(f"soak: {waves} waves, {outcomes}, controller RSS {rss_warm:.0f} -> {rss_after:.0f} MiB")

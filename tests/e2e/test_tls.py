@@ -45,22 +45,27 @@ def _make_certs(folder) -> dict[str, str]:
         return path
 
     def key_pem(key) -> bytes:
-        return key.private_bytes(serialization.Encoding.PEM,
-                                 serialization.PrivateFormat.PKCS8,
-                                 serialization.NoEncryption())
+        return key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
 
     def issue(name: str, issuer_key, issuer_name, ca: bool, sans=(), usage=None):
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        builder = (x509.CertificateBuilder()
-                   .subject_name(subject).issuer_name(issuer_name or subject)
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=1))
-                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(issuer_name or subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
         if sans:
-            builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)),
-                                            critical=False)
+            builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
         if usage:
             builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         cert = builder.sign(issuer_key or key, hashes.SHA256())
@@ -69,19 +74,21 @@ def _make_certs(folder) -> dict[str, str]:
     pem = serialization.Encoding.PEM
     ca_key, ca = issue("tandem-test-ca", None, None, ca=True)
     write("ca.pem", ca.public_bytes(pem))
-    sans = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost"),
-            x509.DNSName("executor.test")]
-    key, cert = issue("executor", ca_key, ca.subject, False, sans,
-                      ExtendedKeyUsageOID.SERVER_AUTH)
+    sans = [
+        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+        x509.DNSName("localhost"),
+        x509.DNSName("executor.test"),
+    ]
+    key, cert = issue("executor", ca_key, ca.subject, False, sans, ExtendedKeyUsageOID.SERVER_AUTH)
     write("executor.pem", cert.public_bytes(pem))
     write("executor.key", key_pem(key))
-    key, cert = issue("controller", ca_key, ca.subject, False, (),
-                      ExtendedKeyUsageOID.CLIENT_AUTH)
+    key, cert = issue("controller", ca_key, ca.subject, False, (), ExtendedKeyUsageOID.CLIENT_AUTH)
     write("controller.pem", cert.public_bytes(pem))
     write("controller.key", key_pem(key))
     evil_key, evil_ca = issue("other-ca", None, None, ca=True)
-    key, cert = issue("intruder", evil_key, evil_ca.subject, False, (),
-                      ExtendedKeyUsageOID.CLIENT_AUTH)
+    key, cert = issue(
+        "intruder", evil_key, evil_ca.subject, False, (), ExtendedKeyUsageOID.CLIENT_AUTH
+    )
     write("intruder.pem", cert.public_bytes(pem))
     write("intruder.key", key_pem(key))
     write("token", f"{TOKEN}\n".encode())
@@ -98,15 +105,30 @@ def certs(tmp_path_factory):
 def mtls_server(default_model_dir, tmp_path_factory, certs):
     health_port = free_port()
     s = start_server(
-        default_model_dir, str(tmp_path_factory.mktemp("mtls")),
-        executor_args=["--tls-cert", certs["executor.pem"], "--tls-key", certs["executor.key"],
-                       "--tls-client-ca", certs["ca.pem"],
-                       "--auth-token-file", certs["token"],
-                       "--health-port", str(health_port)],
-        controller_args=["--executor-tls-ca", certs["ca.pem"],
-                         "--executor-tls-cert", certs["controller.pem"],
-                         "--executor-tls-key", certs["controller.key"],
-                         "--auth-token-file", certs["token"]],
+        default_model_dir,
+        str(tmp_path_factory.mktemp("mtls")),
+        executor_args=[
+            "--tls-cert",
+            certs["executor.pem"],
+            "--tls-key",
+            certs["executor.key"],
+            "--tls-client-ca",
+            certs["ca.pem"],
+            "--auth-token-file",
+            certs["token"],
+            "--health-port",
+            str(health_port),
+        ],
+        controller_args=[
+            "--executor-tls-ca",
+            certs["ca.pem"],
+            "--executor-tls-cert",
+            certs["controller.pem"],
+            "--executor-tls-key",
+            certs["controller.key"],
+            "--auth-token-file",
+            certs["token"],
+        ],
     )
     s.health_port = health_port
     yield s
@@ -134,8 +156,9 @@ def _health(channel: grpc.Channel) -> int:
 
 def test_completion_over_mtls_with_token(mtls_server):
     s = mtls_server
-    r = s.client().completions.create(model=s.model_name, prompt="The capital of France is",
-                                      max_tokens=6, temperature=0)
+    r = s.client().completions.create(
+        model=s.model_name, prompt="The capital of France is", max_tokens=6, temperature=0
+    )
     assert r.choices[0].finish_reason in ("length", "stop") and r.choices[0].text
 
 
@@ -158,14 +181,12 @@ def test_executor_refuses_calls_without_the_token(mtls_server, certs):
         # Health checks need no token (probes carry no metadata).
         assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
         stub = pb_grpc.ExecutorStub(channel)
-        for metadata in ((), (("authorization", "Bearer wrong"),),
-                         (("authorization", TOKEN),)):
+        for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", TOKEN),)):
             with pytest.raises(grpc.RpcError) as exc:
                 stub.ProfileMemory(pb.ProfileMemoryRequest(), timeout=10, metadata=metadata)
             assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
             with pytest.raises(grpc.RpcError) as exc:
-                list(stub.ExecuteModel(iter([pb.StepRequest()]), timeout=10,
-                                       metadata=metadata))
+                list(stub.ExecuteModel(iter([pb.StepRequest()]), timeout=10, metadata=metadata))
             assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
     # The plaintext health-only port serves probes and nothing else.
     with grpc.insecure_channel(f"127.0.0.1:{mtls_server.health_port}") as plain:
@@ -174,31 +195,47 @@ def test_executor_refuses_calls_without_the_token(mtls_server, certs):
             pb_grpc.ExecutorStub(plain).ProfileMemory(pb.ProfileMemoryRequest(), timeout=10)
         assert exc.value.code() == grpc.StatusCode.UNIMPLEMENTED
     # The serving controller was never disturbed.
-    r = mtls_server.client().completions.create(model=mtls_server.model_name, prompt="Hi",
-                                                max_tokens=2, temperature=0)
+    r = mtls_server.client().completions.create(
+        model=mtls_server.model_name, prompt="Hi", max_tokens=2, temperature=0
+    )
     assert r.choices[0].text is not None
 
 
-def test_controller_with_a_wrong_token_never_connects(mtls_server, certs, default_model_dir,
-                                                      tmp_path):
+def test_controller_with_a_wrong_token_never_connects(
+    mtls_server, certs, default_model_dir, tmp_path
+):
     port = mtls_server.executor_ports[0]
-    bad = spawn_controller(default_model_dir, str(tmp_path), [
-        "--executor", f"127.0.0.1:{port}", "--executor-tls-ca", certs["ca.pem"],
-        "--executor-tls-cert", certs["controller.pem"],
-        "--executor-tls-key", certs["controller.key"],
-        "--auth-token-file", certs["wrong-token"]])
+    bad = spawn_controller(
+        default_model_dir,
+        str(tmp_path),
+        [
+            "--executor",
+            f"127.0.0.1:{port}",
+            "--executor-tls-ca",
+            certs["ca.pem"],
+            "--executor-tls-cert",
+            certs["controller.pem"],
+            "--executor-tls-key",
+            certs["controller.key"],
+            "--auth-token-file",
+            certs["wrong-token"],
+        ],
+    )
     try:
+
         def refused():
             state = bad.executors_state()
             return state and "UNAUTHENTICATED" in str(state)
+
         wait_until(refused, 60, "the executor to refuse the wrong token", logs=str(tmp_path))
         assert httpx.get(bad.base_url + "/health", timeout=5).status_code == 503
         time.sleep(1)
         assert not any(e["healthy"] for e in bad.executors_state())
     finally:
         bad.stop()
-    r = mtls_server.client().completions.create(model=mtls_server.model_name, prompt="Hi",
-                                                max_tokens=2, temperature=0)
+    r = mtls_server.client().completions.create(
+        model=mtls_server.model_name, prompt="Hi", max_tokens=2, temperature=0
+    )
     assert r.choices[0].text is not None
 
 
@@ -206,19 +243,38 @@ def test_server_name_override_and_https(mtls_server, certs, default_model_dir, t
     """A second controller verifies the name executor.test (not the address) and serves
     HTTPS with the executor's certificate."""
     port = mtls_server.executor_ports[0]
-    second = spawn_controller(default_model_dir, str(tmp_path), [
-        "--executor", f"127.0.0.1:{port}", "--executor-tls-ca", certs["ca.pem"],
-        "--executor-tls-cert", certs["controller.pem"],
-        "--executor-tls-key", certs["controller.key"],
-        "--executor-tls-server-name", "executor.test",
-        "--auth-token-file", certs["token"],
-        "--ssl-certfile", certs["executor.pem"], "--ssl-keyfile", certs["executor.key"]])
+    second = spawn_controller(
+        default_model_dir,
+        str(tmp_path),
+        [
+            "--executor",
+            f"127.0.0.1:{port}",
+            "--executor-tls-ca",
+            certs["ca.pem"],
+            "--executor-tls-cert",
+            certs["controller.pem"],
+            "--executor-tls-key",
+            certs["controller.key"],
+            "--executor-tls-server-name",
+            "executor.test",
+            "--auth-token-file",
+            certs["token"],
+            "--ssl-certfile",
+            certs["executor.pem"],
+            "--ssl-keyfile",
+            certs["executor.key"],
+        ],
+    )
     url = second.base_url.replace("http://", "https://")
     try:
         ctx = ssl.create_default_context(cafile=certs["ca.pem"])
         with httpx.Client(verify=ctx, timeout=60) as https:
-            wait_until(lambda: https.get(url + "/health").status_code == 200, 120,
-                       "the HTTPS controller to be healthy", logs=str(tmp_path))
+            wait_until(
+                lambda: https.get(url + "/health").status_code == 200,
+                120,
+                "the HTTPS controller to be healthy",
+                logs=str(tmp_path),
+            )
             r = https.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
         with pytest.raises(httpx.HTTPError):
@@ -226,6 +282,10 @@ def test_server_name_override_and_https(mtls_server, certs, default_model_dir, t
     finally:
         second.stop()
     # The first controller's session was replaced by the second's handshake; it reconnects.
-    wait_until(lambda: mtls_server.client().completions.create(
-        model=mtls_server.model_name, prompt="Hi", max_tokens=2, temperature=0), 120,
-        "the first controller to serve again")
+    wait_until(
+        lambda: mtls_server.client().completions.create(
+            model=mtls_server.model_name, prompt="Hi", max_tokens=2, temperature=0
+        ),
+        120,
+        "the first controller to serve again",
+    )

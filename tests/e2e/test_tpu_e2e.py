@@ -18,17 +18,29 @@ from tests.e2e.helpers import CHATS, LONG_PROMPT, PROMPTS, assert_no_blocks_in_u
 from tests.support.processes import free_port, start_server
 
 #: A small budget and few KV blocks: long prompts are chunked, requests preempted.
-TIGHT = ["--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--max-model-len", "256",
-         "--num-kv-blocks", "20"]
+TIGHT = [
+    "--max-num-batched-tokens",
+    "64",
+    "--max-num-seqs",
+    "8",
+    "--max-model-len",
+    "256",
+    "--num-kv-blocks",
+    "20",
+]
 
 pytestmark = pytest.mark.slow
 
 
 def _start_tpu(model: str, tmp_dir: str, controller_args, executor_args=()):
     port = free_port()
-    server = start_server(model, tmp_dir, controller_args=controller_args,
-                          executor_args=["--metrics-port", str(port), *executor_args],
-                          executor_kinds=("executor_tpu",))
+    server = start_server(
+        model,
+        tmp_dir,
+        controller_args=controller_args,
+        executor_args=["--metrics-port", str(port), *executor_args],
+        executor_kinds=("executor_tpu",),
+    )
     server.metrics_url = f"http://127.0.0.1:{port}/metrics"
     return server
 
@@ -36,8 +48,9 @@ def _start_tpu(model: str, tmp_dir: str, controller_args, executor_args=()):
 @pytest.fixture(scope="module")
 def tpu_server(default_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tpu")
-    s = _start_tpu(default_model_dir, str(tmp), TIGHT,
-                   ["--compile-cache-dir", str(tmp / "xla-cache")])
+    s = _start_tpu(
+        default_model_dir, str(tmp), TIGHT, ["--compile-cache-dir", str(tmp / "xla-cache")]
+    )
     yield s
     s.stop()
 
@@ -48,17 +61,28 @@ def _workload(server) -> list[list[int]]:
 
     async def run():
         client = server.async_client()
-        calls = [client.completions.create(model=server.model_name, prompt=p, max_tokens=24,
-                                           temperature=0, extra_body={"return_token_ids": True})
-                 for p in prompts + prompts[:2]]
+        calls = [
+            client.completions.create(
+                model=server.model_name,
+                prompt=p,
+                max_tokens=24,
+                temperature=0,
+                extra_body={"return_token_ids": True},
+            )
+            for p in prompts + prompts[:2]
+        ]
         return await asyncio.gather(*calls)
 
     results = [r.choices[0].model_extra for r in asyncio.run(run())]
     client = server.client()
     for _ in range(2):
-        r = client.completions.create(model=server.model_name, prompt=LONG_PROMPT,
-                                      max_tokens=16, temperature=0,
-                                      extra_body={"return_token_ids": True})
+        r = client.completions.create(
+            model=server.model_name,
+            prompt=LONG_PROMPT,
+            max_tokens=16,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
         results.append(r.choices[0].model_extra)
     assert r.usage.prompt_tokens_details.cached_tokens > 0  # the second one hit the cache
     return [[*x["prompt_token_ids"], -1, *x["token_ids"]] for x in results]
@@ -68,7 +92,7 @@ def test_tpu_matches_gpu_and_transformers(tpu_server, default_model_dir, tmp_pat
     got = _workload(tpu_server)
     for seq in got:
         cut = seq.index(-1)
-        prompt, out = seq[:cut], seq[cut + 1:]
+        prompt, out = seq[:cut], seq[cut + 1 :]
         assert out == hf.greedy(prompt, len(out)), "TPU output differs from transformers"
     assert len(got[-1]) > 150  # the long prompt went through several 64-token steps
     metrics = httpx.get(tpu_server.base_url + "/metrics").text
@@ -84,15 +108,25 @@ def test_tpu_matches_gpu_and_transformers(tpu_server, default_model_dir, tmp_pat
 
 def test_tpu_chat_streaming_and_sampling(tpu_server):
     client = tpu_server.client()
-    r = client.chat.completions.create(model=tpu_server.model_name, messages=CHATS[0],
-                                       max_tokens=20, temperature=0)
+    r = client.chat.completions.create(
+        model=tpu_server.model_name, messages=CHATS[0], max_tokens=20, temperature=0
+    )
     assert "Paris" in r.choices[0].message.content
-    stream = client.chat.completions.create(model=tpu_server.model_name, messages=CHATS[0],
-                                            max_tokens=20, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model=tpu_server.model_name, messages=CHATS[0], max_tokens=20, temperature=0, stream=True
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == r.choices[0].message.content
-    kw = dict(model=tpu_server.model_name, prompt=PROMPTS[0], max_tokens=8, temperature=0.8,
-              top_p=0.9, n=2, seed=7, logprobs=2)
+    kw = dict(
+        model=tpu_server.model_name,
+        prompt=PROMPTS[0],
+        max_tokens=8,
+        temperature=0.8,
+        top_p=0.9,
+        n=2,
+        seed=7,
+        logprobs=2,
+    )
     first, again = client.completions.create(**kw), client.completions.create(**kw)
     assert [c.text for c in first.choices] == [c.text for c in again.choices]
     assert all(len(c.logprobs.top_logprobs[0]) == 2 for c in first.choices)

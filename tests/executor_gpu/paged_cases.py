@@ -8,8 +8,9 @@ import torch
 from common.torch.attention import AttentionMetadata
 
 
-def decode_meta(lens: list[int], block_size: int, num_blocks: int, seed: int,
-                extra_columns: int = 1) -> AttentionMetadata:
+def decode_meta(
+    lens: list[int], block_size: int, num_blocks: int, seed: int, extra_columns: int = 1
+) -> AttentionMetadata:
     """A pure decode step of requests with ``lens`` tokens on random blocks (never the null
     block, none shared: a request's new token goes to a block no other request reads, as in the
     engine), with ``extra_columns`` zero padding columns in the block tables."""
@@ -23,14 +24,20 @@ def decode_meta(lens: list[int], block_size: int, num_blocks: int, seed: int,
         del free[:used]
     return AttentionMetadata(
         slot_mapping=torch.zeros(len(lens), dtype=torch.long),
-        query_start_loc=torch.arange(len(lens) + 1), seq_lens=torch.tensor(lens),
-        block_tables=tables, block_size=block_size, num_decodes=len(lens),
-        max_decode_seq_len=max(lens), query_start_loc_host=list(range(len(lens) + 1)),
-        seq_lens_host=list(lens))
+        query_start_loc=torch.arange(len(lens) + 1),
+        seq_lens=torch.tensor(lens),
+        block_tables=tables,
+        block_size=block_size,
+        num_decodes=len(lens),
+        max_decode_seq_len=max(lens),
+        query_start_loc_host=list(range(len(lens) + 1)),
+        seq_lens_host=list(lens),
+    )
 
 
-def step_meta(lens: list[int], new: list[int], block_size: int, num_blocks: int,
-              seed: int) -> AttentionMetadata:
+def step_meta(
+    lens: list[int], new: list[int], block_size: int, num_blocks: int, seed: int
+) -> AttentionMetadata:
     """A step in which request i computes its last ``new[i]`` of ``lens[i]`` tokens (1: a
     decode; all: a prefill from scratch; else a chunk after cached tokens), on random blocks
     as in ``decode_meta``, each new token with its cache slot."""
@@ -42,9 +49,13 @@ def step_meta(lens: list[int], new: list[int], block_size: int, num_blocks: int,
     for k in new:
         meta.query_start_loc_host.append(meta.query_start_loc_host[-1] + k)
     meta.query_start_loc = torch.tensor(meta.query_start_loc_host)
-    meta.slot_mapping = torch.tensor([
-        int(meta.block_tables[i, pos // block_size]) * block_size + pos % block_size
-        for i, (n, k) in enumerate(zip(lens, new)) for pos in range(n - k, n)])
+    meta.slot_mapping = torch.tensor(
+        [
+            int(meta.block_tables[i, pos // block_size]) * block_size + pos % block_size
+            for i, (n, k) in enumerate(zip(lens, new))
+            for pos in range(n - k, n)
+        ]
+    )
     return meta
 
 
@@ -57,5 +68,9 @@ def mixed_meta(block_size: int, num_blocks: int, seed: int) -> AttentionMetadata
 def last_token_slots(meta: AttentionMetadata) -> torch.Tensor:
     """The cache slot of each request's last token (where a decode writes its key/value)."""
     bs = meta.block_size
-    return torch.tensor([int(meta.block_tables[i, (n - 1) // bs]) * bs + (n - 1) % bs
-                         for i, n in enumerate(meta.seq_lens_host)])
+    return torch.tensor(
+        [
+            int(meta.block_tables[i, (n - 1) // bs]) * bs + (n - 1) % bs
+            for i, n in enumerate(meta.seq_lens_host)
+        ]
+    )

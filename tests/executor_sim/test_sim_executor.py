@@ -31,17 +31,26 @@ FIXED_MS = 2.0  # modeled milliseconds per step of the live sims
 
 def make_runner(eos_prob: float = 0.0, vocab: int = 1000) -> SimModelRunner:
     geometry = ModelGeometry("m", "LlamaForCausalLM", vocab, 2, 1, 8, 256, [EOS])
-    runner = SimModelRunner(ExecutorConfig(model="unused", block_size=4), geometry,
-                            FakeSampler(vocab, [EOS], eos_prob=eos_prob))
+    runner = SimModelRunner(
+        ExecutorConfig(model="unused", block_size=4),
+        geometry,
+        FakeSampler(vocab, [EOS], eos_prob=eos_prob),
+    )
     runner.load_model()
     runner.initialize_kv_cache(64)
     return runner
 
 
-def new(rid: str, prompt: list[int], scheduled: int, blocks: int = 4,
-        sampling: SamplingParams | None = None) -> NewRequestData:
-    return NewRequestData(rid, prompt, [], sampling or SamplingParams(), list(range(1, blocks + 1)),
-                          0, scheduled)
+def new(
+    rid: str,
+    prompt: list[int],
+    scheduled: int,
+    blocks: int = 4,
+    sampling: SamplingParams | None = None,
+) -> NewRequestData:
+    return NewRequestData(
+        rid, prompt, [], sampling or SamplingParams(), list(range(1, blocks + 1)), 0, scheduled
+    )
 
 
 def test_runner_samples_only_when_the_known_tokens_are_computed():
@@ -51,8 +60,11 @@ def test_runner_samples_only_when_the_known_tokens_are_computed():
     assert [o.request_id for o in out.outputs] == ["a", "b"]
     assert out.outputs[0].sampled_token_id is None  # chunked prefill, 2 prompt tokens left
     assert out.outputs[1].sampled_token_id is not None
-    out = runner.execute_model(StepInput(2, cached_requests=[
-        CachedRequestData("b", [], 1, 1), CachedRequestData("a", [], 4, 2)]))
+    out = runner.execute_model(
+        StepInput(
+            2, cached_requests=[CachedRequestData("b", [], 1, 1), CachedRequestData("a", [], 4, 2)]
+        )
+    )
     assert [o.request_id for o in out.outputs] == ["b", "a"]
     assert all(o.sampled_token_id is not None and not o.error for o in out.outputs)
     assert runner.last_shape.num_tokens == 3 and runner.last_shape.num_sampled == 2
@@ -67,8 +79,9 @@ def test_runner_greedy_is_a_function_of_the_prompt_and_never_samples_eos():
         runner.execute_model(StepInput(1, new_requests=[new("x", [11, 12, 13], 3, blocks=16)]))
         for step in range(2, 40):
             known = len(runner.requests["x"].token_ids)
-            out = runner.execute_model(StepInput(step, cached_requests=[
-                CachedRequestData("x", [], known - 1, 1)]))
+            out = runner.execute_model(
+                StepInput(step, cached_requests=[CachedRequestData("x", [], known - 1, 1)])
+            )
             ids.append(out.outputs[0].sampled_token_id)
         tokens.append(ids)
     assert tokens[0] == tokens[1] and EOS not in tokens[0]
@@ -80,12 +93,18 @@ def test_runner_respects_min_tokens_and_reports_errors():
     runner.execute_model(StepInput(1, new_requests=[new("s", [4, 5], 2, sampling=sampling)]))
     for step in range(2, 6):
         known = len(runner.requests["s"].token_ids)
-        runner.execute_model(StepInput(step, cached_requests=[CachedRequestData("s", [], known - 1,
-                                                                                 1)]))
+        runner.execute_model(
+            StepInput(step, cached_requests=[CachedRequestData("s", [], known - 1, 1)])
+        )
     sampled = runner.requests["s"].token_ids[2:]
     assert all(t not in (EOS, 7) for t in sampled[:3]) and sampled[3] in (EOS, 7)
-    out = runner.execute_model(StepInput(9, new_requests=[new("big", [1] * 20, 20, blocks=2)],
-                                         cached_requests=[CachedRequestData("ghost", [], 0, 1)]))
+    out = runner.execute_model(
+        StepInput(
+            9,
+            new_requests=[new("big", [1] * 20, 20, blocks=2)],
+            cached_requests=[CachedRequestData("ghost", [], 0, 1)],
+        )
+    )
     assert [bool(o.error) for o in out.outputs] == [True, True]
     assert "big" not in runner.requests
 
@@ -93,8 +112,9 @@ def test_runner_respects_min_tokens_and_reports_errors():
 def test_runner_logprobs_have_the_asked_shape():
     runner = make_runner()
     sampling = SamplingParams(logprobs=3, prompt_logprobs=2)
-    out = runner.execute_model(StepInput(1, new_requests=[new("l", [4, 5, 6, 7], 4,
-                                                              sampling=sampling)]))
+    out = runner.execute_model(
+        StepInput(1, new_requests=[new("l", [4, 5, 6, 7], 4, sampling=sampling)])
+    )
     o = out.outputs[0]
     assert o.logprobs is not None and o.logprobs.token_id == o.sampled_token_id
     assert len(o.logprobs.top_token_ids) == 3 and o.logprobs.rank == 1
@@ -113,7 +133,8 @@ def test_worker_sleeps_the_modeled_time_and_counts(default_model_dir):
     worker.init_device()
     worker.load_model()
     assert worker.determine_available_memory().available_kv_bytes == (
-        100 * worker.get_kv_cache_spec().bytes_per_block)
+        100 * worker.get_kv_cache_spec().bytes_per_block
+    )
     worker.initialize_cache(100)
     steps = REGISTRY.get_sample_value("tandem_sim:steps_total")
     out = worker.execute_model(StepInput(1, new_requests=[new("w", [1, 2, 3], 3)]))
@@ -147,8 +168,11 @@ def test_sim_imports_no_torch():
 
 def sim_counters(port: int) -> dict[str, float]:
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-            if line.startswith("tandem_sim:")}
+    return {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("tandem_sim:")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +182,21 @@ def sim_fleet(default_model_dir, tmp_path_factory):
     for i in range(2):
         metrics_port = free_port()
         proc, port = spawn_executor(
-            "executor_sim", default_model_dir, tmp, f"sim{i}",
-            extra=["--metrics-port", str(metrics_port), "--num-blocks", "512",
-                   "--step-fixed-ms", str(FIXED_MS), "--step-per-token-us", "10"])
+            "executor_sim",
+            default_model_dir,
+            tmp,
+            f"sim{i}",
+            extra=[
+                "--metrics-port",
+                str(metrics_port),
+                "--num-blocks",
+                "512",
+                "--step-fixed-ms",
+                str(FIXED_MS),
+                "--step-per-token-us",
+                "10",
+            ],
+        )
         procs.append(proc)
         metric_ports.append(metrics_port)
         addresses += ["--executor", f"127.0.0.1:{port}"]
@@ -176,9 +212,14 @@ def sim_fleet(default_model_dir, tmp_path_factory):
 def test_completions_through_sim_executors(sim_fleet):
     server, _ = sim_fleet
     client = server.client(timeout=60)
-    resp = client.completions.create(model=server.model_name, prompt=["Hello", "The sky is"],
-                                     max_tokens=12, temperature=0, n=2,
-                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+    resp = client.completions.create(
+        model=server.model_name,
+        prompt=["Hello", "The sky is"],
+        max_tokens=12,
+        temperature=0,
+        n=2,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     assert len(resp.choices) == 4
     for choice in resp.choices:
         assert choice.finish_reason == "length"
@@ -189,8 +230,13 @@ def test_completions_through_sim_executors(sim_fleet):
     assert resp.usage.prompt_tokens == prompt_tokens
     assert resp.usage.total_tokens == prompt_tokens + 48
     # Greedy output is a function of the prompt, whichever executor runs it.
-    again = client.completions.create(model=server.model_name, prompt="Hello", max_tokens=12,
-                                      temperature=0, extra_body={"ignore_eos": True})
+    again = client.completions.create(
+        model=server.model_name,
+        prompt="Hello",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert again.choices[0].text == resp.choices[0].text
 
 
@@ -198,9 +244,15 @@ def test_streaming_chat_and_logprobs(sim_fleet):
     server, _ = sim_fleet
     client = server.client(timeout=60)
     stream = client.chat.completions.create(
-        model=server.model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=9,
-        stream=True, stream_options={"include_usage": True}, logprobs=True, top_logprobs=2,
-        extra_body={"ignore_eos": True})
+        model=server.model_name,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=9,
+        stream=True,
+        stream_options={"include_usage": True},
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     usage, logprobs = None, []
     for chunk in stream:
         usage = chunk.usage or usage
@@ -215,8 +267,13 @@ def test_sim_metrics_count_steps_busy_time_and_bytes(sim_fleet):
     server, metric_ports = sim_fleet
     before = [sim_counters(p) for p in metric_ports]
     client = server.client(timeout=60)
-    resp = client.completions.create(model=server.model_name, prompt="Count me", max_tokens=20,
-                                     temperature=0, extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model=server.model_name,
+        prompt="Count me",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert resp.usage.completion_tokens == 20
     server.wait_idle()
     after = [sim_counters(p) for p in metric_ports]
@@ -235,14 +292,20 @@ def test_sim_metrics_count_steps_busy_time_and_bytes(sim_fleet):
 
 def test_a_client_that_leaves_a_non_streamed_request_aborts_it(sim_fleet):
     server, _ = sim_fleet
-    body = {"model": server.model_name, "prompt": "wait for me", "max_tokens": 4000,
-            "ignore_eos": True}
+    body = {
+        "model": server.model_name,
+        "prompt": "wait for me",
+        "max_tokens": 4000,
+        "ignore_eos": True,
+    }
 
     def aborted() -> float:
         text = httpx.get(server.base_url + "/metrics").text
-        return sum(float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith("vllm:request_success_total{")
-                   and 'finished_reason="abort"' in line)
+        return sum(
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line
+        )
 
     before = aborted()
     with pytest.raises(httpx.TimeoutException):  # the client gives up and closes the socket
@@ -272,18 +335,36 @@ def test_a_slow_executor_gets_steps_sized_to_the_step_time_target(default_model_
     step cost it measures; greedy output is unchanged by the chunking."""
     tmp = str(tmp_path)
     proc, port = spawn_executor(
-        "executor_sim", default_model_dir, tmp, "slow",
-        extra=["--num-blocks", "512", "--step-fixed-ms", "5", "--step-per-token-us", "1000",
-               "--device-kind", "cpu"])
-    server = spawn_controller(default_model_dir, tmp, ["--executor", f"127.0.0.1:{port}",
-                                                       "--step-time-target", "0.3"])
+        "executor_sim",
+        default_model_dir,
+        tmp,
+        "slow",
+        extra=[
+            "--num-blocks",
+            "512",
+            "--step-fixed-ms",
+            "5",
+            "--step-per-token-us",
+            "1000",
+            "--device-kind",
+            "cpu",
+        ],
+    )
+    server = spawn_controller(
+        default_model_dir, tmp, ["--executor", f"127.0.0.1:{port}", "--step-time-target", "0.3"]
+    )
     server.executors.append(proc)
     try:
         wait_healthy_executors(server, 1, timeout=120)
         client = server.client(timeout=120)
         prompt = list(range(100, 1600))  # 1500 token ids
-        resp = client.completions.create(model=server.model_name, prompt=prompt, max_tokens=4,
-                                         temperature=0, extra_body={"ignore_eos": True})
+        resp = client.completions.create(
+            model=server.model_name,
+            prompt=prompt,
+            max_tokens=4,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert resp.usage.prompt_tokens == 1500 and resp.usage.completion_tokens == 4
         buckets = _step_token_buckets(server.base_url)
         steps = buckets["+Inf"]

@@ -29,9 +29,16 @@ from executor_tpu.worker import TPUWorker  # noqa: E402
 
 BLOCK = 16
 # 3 kv heads of size 16: the kernel layout pads them to 4 heads of 128.
-_TINY = dict(vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=256,
-             tie_word_embeddings=False)
+_TINY = dict(
+    vocab_size=256,
+    hidden_size=96,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=3,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +55,10 @@ def tiny(tmp_path_factory):
 
 def _worker(path, **options):
     cfg = ExecutorConfig(model=path, block_size=BLOCK, max_model_len=128)
-    worker = TPUWorker(cfg, TPUOptions(compile_cache_dir="", token_buckets=[16, 64],
-                                       request_buckets=[4], **options))
+    worker = TPUWorker(
+        cfg,
+        TPUOptions(compile_cache_dir="", token_buckets=[16, 64], request_buckets=[4], **options),
+    )
     worker.init_device()
     worker.load_model()
     worker.configure(64, 4, 128)
@@ -59,12 +68,16 @@ def _worker(path, **options):
 
 def _logits(worker, rows):
     runner = worker.model_runner
-    step = build_static_step(rows, pick_bucket(sum(r.num_scheduled for r in rows),
-                                               runner.plan.token_buckets),
-                             4, runner.max_blocks, BLOCK)
+    step = build_static_step(
+        rows,
+        pick_bucket(sum(r.num_scheduled for r in rows), runner.plan.token_buckets),
+        4,
+        runner.max_blocks,
+        BLOCK,
+    )
     with torch.no_grad():
         _, _, logits, _ = runner.forward_step(step.arrays())
-    return logits.cpu()[:len(rows)]
+    return logits.cpu()[: len(rows)]
 
 
 def _check_against_hf(worker, hf):
@@ -85,8 +98,9 @@ def _check_against_hf(worker, hf):
         s0.token_ids.append(ids0[57 + i])
         s1.token_ids.append(ids1[21 + i])
         n0, n1 = len(s0.token_ids), len(s1.token_ids)
-        got = _logits(worker, [ScheduledRow(s0, n0 - 1, 1, True, 0),
-                               ScheduledRow(s1, n1 - 1, 1, True, 0)])
+        got = _logits(
+            worker, [ScheduledRow(s0, n0 - 1, 1, True, 0), ScheduledRow(s1, n1 - 1, 1, True, 0)]
+        )
         diffs += [(got[0] - ref0[n0 - 1]).abs().max(), (got[1] - ref1[n1 - 1]).abs().max()]
     scale = max(ref0.abs().max().item(), 1.0)
     assert max(d.item() for d in diffs) < 1e-4 * scale, diffs
@@ -116,7 +130,8 @@ def test_ragged_kernel_arguments_with_the_reference(tiny, monkeypatch):
         assert kw.pop("use_kernel") is True
         calls.append(q.shape)
         out = custom_kernel._ragged_paged_attention_nonkernel(
-            q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, None, None, **kw)
+            q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, None, None, **kw
+        )
         pad = torch.zeros(q.shape[0] - out.shape[0], *out.shape[1:], device=out.device)
         return torch.cat([out, pad])  # the kernel's output has every (padded) token
 

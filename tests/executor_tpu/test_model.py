@@ -41,8 +41,11 @@ from tests.support.mini_controller import (  # noqa: E402
 
 BLOCK = 16
 LOGIT_TOL = 1e-3
-PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
-           "List three primary colors."]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+]
 MAX_DIFF: dict[str, float] = {}  # measured max |logit difference| per check
 
 pytestmark = needs_model
@@ -50,8 +53,9 @@ pytestmark = needs_model
 
 @pytest.fixture(scope="module")
 def tpu(tmp_path_factory):
-    cfg = ExecutorConfig(model=MODEL_DIR, block_size=BLOCK, seed=7, max_model_len=256,
-                         kv_cache_bytes=64 * 2**20)
+    cfg = ExecutorConfig(
+        model=MODEL_DIR, block_size=BLOCK, seed=7, max_model_len=256, kv_cache_bytes=64 * 2**20
+    )
     cache = str(tmp_path_factory.mktemp("xla-cache"))
     worker = TPUWorker(cfg, TPUOptions(compile_cache_dir=cache))
     worker.init_device()
@@ -74,23 +78,31 @@ def _hf_logits(hf, ids):
 def _hf_generate(hf, ids, n):
     """Greedy continuation of n tokens, not stopping at EOS (as MiniController runs)."""
     with torch.inference_mode():
-        out = hf.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = hf.model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def _last_logits(worker, rows):
     """Run rows through the precompiled forward program; last-token logits per row."""
     runner = worker.model_runner
     plan = runner.plan
-    step = build_static_step(rows, pick_bucket(sum(r.num_scheduled for r in rows),
-                                               plan.token_buckets),
-                             pick_bucket(len(rows), plan.request_buckets), runner.max_blocks,
-                             BLOCK)
+    step = build_static_step(
+        rows,
+        pick_bucket(sum(r.num_scheduled for r in rows), plan.token_buckets),
+        pick_bucket(len(rows), plan.request_buckets),
+        runner.max_blocks,
+        BLOCK,
+    )
     with torch.no_grad():
         _, _, logits, row_ok = runner.forward_step(step.arrays())
-    assert row_ok.cpu()[:len(rows)].all()
-    return logits.cpu()[:len(rows)]
+    assert row_ok.cpu()[: len(rows)].all()
+    return logits.cpu()[: len(rows)]
 
 
 def _record(name, diff):
@@ -130,18 +142,32 @@ def test_logits_match_transformers(tpu, hf, prompts):
         s0.token_ids.append(extra0[i])
         s1.token_ids.append(extra1[i])
         n0, n1 = len(s0.token_ids), len(s1.token_ids)
-        got = _last_logits(tpu, [ScheduledRow(s0, n0 - 1, 1, True, 0),
-                                 ScheduledRow(s1, n1 - 1, 1, True, 0)])
-        _record("decode", max((got[0] - ref0[n0 - 1]).abs().max().item(),
-                              (got[1] - ref1[n1 - 1]).abs().max().item()))
+        got = _last_logits(
+            tpu, [ScheduledRow(s0, n0 - 1, 1, True, 0), ScheduledRow(s1, n1 - 1, 1, True, 0)]
+        )
+        _record(
+            "decode",
+            max(
+                (got[0] - ref0[n0 - 1]).abs().max().item(),
+                (got[1] - ref1[n1 - 1]).abs().max().item(),
+            ),
+        )
 
 
 def test_greedy_batch_matches_transformers_and_gpu_runner(tpu, hf, prompts):
     from executor_gpu.model_runner import GPUModelRunner
 
-    gpu = GPUModelRunner(ExecutorConfig(model=MODEL_DIR, device="cpu", block_size=BLOCK,
-                                        seed=7, max_num_batched_tokens=64, max_num_seqs=8),
-                         load_model_geometry(MODEL_DIR))
+    gpu = GPUModelRunner(
+        ExecutorConfig(
+            model=MODEL_DIR,
+            device="cpu",
+            block_size=BLOCK,
+            seed=7,
+            max_num_batched_tokens=64,
+            max_num_seqs=8,
+        ),
+        load_model_geometry(MODEL_DIR),
+    )
     gpu.load_model()
     gpu.initialize_kv_cache(64)
     outputs = {}
@@ -196,13 +222,18 @@ def test_every_sampling_variant_runs_precompiled(tpu, prompts):
     ctl = MiniController(tpu, budget=64)
     eos = 2
     ctl.add("greedy-lp", prompts[0], SamplingParams(logprobs=2), max_tokens=4)
-    ctl.add("topk", prompts[1], SamplingParams(temperature=0.9, top_k=20, min_p=0.05),
-            max_tokens=4)
-    ctl.add("pen", prompts[2], SamplingParams(temperature=0.7, presence_penalty=1.0,
-                                              frequency_penalty=0.5, repetition_penalty=1.2),
-            max_tokens=4)
-    held = ctl.add("min", prompts[0], SamplingParams(min_tokens=3, stop_token_ids=[eos]),
-                   max_tokens=4)
+    ctl.add("topk", prompts[1], SamplingParams(temperature=0.9, top_k=20, min_p=0.05), max_tokens=4)
+    ctl.add(
+        "pen",
+        prompts[2],
+        SamplingParams(
+            temperature=0.7, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.2
+        ),
+        max_tokens=4,
+    )
+    held = ctl.add(
+        "min", prompts[0], SamplingParams(min_tokens=3, stop_token_ids=[eos]), max_tokens=4
+    )
     ctl.run()
     assert eos not in held.output[:3]
     assert tpu.model_runner.compile_watch.after_warmup == 0
@@ -221,10 +252,16 @@ def test_the_controller_scheduler_sizes_steps_from_capabilities(tpu, hf, prompts
         info = tpu.describe()
         caps = info.capabilities
         assert caps.chunked_prefill is chunked and caps.token_buckets == [16, 32, 64]
-        sched = Scheduler(SchedulerConfig(
-            max_num_batched_tokens=min(2048, caps.max_tokens_per_step),
-            max_num_seqs=min(128, caps.max_num_seqs), chunked_prefill=caps.chunked_prefill,
-            block_size=BLOCK, num_blocks=64, max_model_len=info.model.max_model_len))
+        sched = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=min(2048, caps.max_tokens_per_step),
+                max_num_seqs=min(128, caps.max_num_seqs),
+                chunked_prefill=caps.chunked_prefill,
+                block_size=BLOCK,
+                num_blocks=64,
+                max_model_len=info.model.max_model_len,
+            )
+        )
         long = prompts[0] + prompts[1] + prompts[2]  # > 64 tokens
         batch = [long, prompts[0]] if chunked else prompts[:2]
         for i, p in enumerate(batch):

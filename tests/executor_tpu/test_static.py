@@ -68,10 +68,10 @@ def test_configured_buckets_cap_the_step():
 
 
 def _row(rid, tokens, blocks, computed, scheduled, prompt_lps=0, num_prompt=None):
-    state = RequestState(rid, list(tokens), num_prompt or len(tokens), list(blocks),
-                         SamplingParams())
-    return ScheduledRow(state, computed, scheduled, computed + scheduled == len(tokens),
-                        prompt_lps)
+    state = RequestState(
+        rid, list(tokens), num_prompt or len(tokens), list(blocks), SamplingParams()
+    )
+    return ScheduledRow(state, computed, scheduled, computed + scheduled == len(tokens), prompt_lps)
 
 
 def test_static_step_padding():
@@ -123,8 +123,17 @@ def _logits(rows, seed=0):
 def _inputs(params, tokens=None, num_prompt=None, bucket=None, keys=None, variant=None):
     n = len(params)
     tokens = tokens or [[1, 2, 3]] * n
-    inp = build_sampling_inputs(params, tokens, num_prompt or [len(t) for t in tokens],
-                                bucket or n, V, 16, 5, keys or list(range(n)), variant)
+    inp = build_sampling_inputs(
+        params,
+        tokens,
+        num_prompt or [len(t) for t in tokens],
+        bucket or n,
+        V,
+        16,
+        5,
+        keys or list(range(n)),
+        variant,
+    )
     d = {k: torch.from_numpy(v) for k, v in inp.arrays().items()}
     return inp, d
 
@@ -140,11 +149,15 @@ def test_variant_choice():
     assert choose_variant([g, g], V, [0, 0]) == SampleVariant("greedy", False)
     assert choose_variant([g, SamplingParams(logprobs=2)], V, [0, 0]).kind == "topk"
     assert choose_variant([g, r], V, [0, 0]).kind == "topk"
-    assert choose_variant([SamplingParams(temperature=1.0, top_k=50, top_p=0.5)], V,
-                          [0]).kind == "topk"
+    assert (
+        choose_variant([SamplingParams(temperature=1.0, top_k=50, top_p=0.5)], V, [0]).kind
+        == "topk"
+    )
     assert choose_variant([SamplingParams(temperature=1.0, top_p=0.5)], V, [0]).kind == "sort"
-    assert choose_variant([SamplingParams(temperature=1.0, top_k=CANDIDATES + 1)], V,
-                          [0]).kind == "sort"
+    assert (
+        choose_variant([SamplingParams(temperature=1.0, top_k=CANDIDATES + 1)], V, [0]).kind
+        == "sort"
+    )
     assert choose_variant([SamplingParams(presence_penalty=0.5)], V, [0]).adjust
     stop = SamplingParams(min_tokens=3, stop_token_ids=[2])
     assert choose_variant([stop], V, [2]).adjust and not choose_variant([stop], V, [3]).adjust
@@ -157,18 +170,20 @@ def test_greedy_rows_and_padding():
     assert inp.variant.kind == "topk" and out.shape == (8, 4 + 10)
     assert out[:3, 0].long().tolist() == logits[:3].argmax(-1).tolist()
     greedy, _ = _run(logits, [SamplingParams()] * 3)
-    assert greedy.shape == (8, 2) and greedy[:, 0].long().tolist() == \
-        logits.argmax(-1).tolist()
+    assert greedy.shape == (8, 2) and greedy[:, 0].long().tolist() == logits.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0, top_k=7),
-    SamplingParams(temperature=0.8, top_p=0.6),
-    SamplingParams(temperature=1.3, top_k=40, top_p=0.7),
-    SamplingParams(temperature=1.0, min_p=0.2),
-    SamplingParams(temperature=1.0, top_k=5, min_p=0.5),
-    SamplingParams(temperature=1.0, top_p=0.95),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_k=7),
+        SamplingParams(temperature=0.8, top_p=0.6),
+        SamplingParams(temperature=1.3, top_k=40, top_p=0.7),
+        SamplingParams(temperature=1.0, min_p=0.2),
+        SamplingParams(temperature=1.0, top_k=5, min_p=0.5),
+        SamplingParams(temperature=1.0, top_p=0.95),
+    ],
+)
 def test_filters_match_common_sampling(params):
     """The candidates kept equal common.torch.sampling.apply_filters's, for both kinds that
     apply."""
@@ -177,9 +192,12 @@ def test_filters_match_common_sampling(params):
     top_k = torch.full((n,), params.top_k)
     top_p = torch.full((n,), params.top_p)
     min_p = torch.full((n,), params.min_p)
-    ref = apply_filters(x, top_k if params.top_k else None,
-                        top_p if params.top_p < 1 else None,
-                        min_p if params.min_p else None)
+    ref = apply_filters(
+        x,
+        top_k if params.top_k else None,
+        top_p if params.top_p < 1 else None,
+        min_p if params.min_p else None,
+    )
     kinds = ["sort"] if choose_variant([params], V, [0]).kind == "sort" else ["topk", "sort"]
     for kind in kinds:
         vals, ids = truncate(x, top_k, top_p, min_p, kind)
@@ -222,17 +240,25 @@ def test_seeded_noise_depends_on_seed_and_position_only():
 
 def test_penalties_and_min_tokens_match_common_sampling():
     logits = _logits(3, seed=6)
-    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.3,
-                             repetition_penalty=1.3),
-              SamplingParams(min_tokens=5, stop_token_ids=[4, 9]),
-              SamplingParams()]
+    params = [
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3),
+        SamplingParams(min_tokens=5, stop_token_ids=[4, 9]),
+        SamplingParams(),
+    ]
     prompts, outputs = [[1, 2, 3, 3], [5], [6]], [[3, 7, 7, 8], [9], [1]]
     tokens = [p + o for p, o in zip(prompts, outputs)]
     inp, d = _inputs(params, tokens=tokens, num_prompt=[len(p) for p in prompts])
     assert inp.variant.adjust
     got = adjust_logits(logits, d)
-    meta = build_sampling_metadata(params, [len(t) for t in tokens], prompts, outputs, V, "cpu",
-                                   num_outputs=[len(o) for o in outputs])
+    meta = build_sampling_metadata(
+        params,
+        [len(t) for t in tokens],
+        prompts,
+        outputs,
+        V,
+        "cpu",
+        num_outputs=[len(o) for o in outputs],
+    )
     want = apply_penalties(logits, meta).clone()
     want[meta.suppress_rows, meta.suppress_ids] = float("-inf")
     assert torch.allclose(got, want, atol=1e-6)
@@ -261,10 +287,22 @@ def test_command_line_and_device_choice(monkeypatch):
     from executor_tpu.options import resolve_cache_dir, select_pjrt_device
     from tests.support.processes import ROOT
 
-    out = subprocess.run([sys.executable, "-m", "executor_tpu", "--help"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120, check=True).stdout
-    for flag in ("--token-buckets", "--request-buckets", "--compile-cache-dir", "--attention",
-                 "--no-chunked-prefill", "--metrics-port"):
+    out = subprocess.run(
+        [sys.executable, "-m", "executor_tpu", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    for flag in (
+        "--token-buckets",
+        "--request-buckets",
+        "--compile-cache-dir",
+        "--attention",
+        "--no-chunked-prefill",
+        "--metrics-port",
+    ):
         assert flag in out
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     assert select_pjrt_device("tpu") == "CPU"  # the environment wins

@@ -21,10 +21,12 @@ class HFReference:
         if key not in self._cache:
             with self.torch.inference_mode():
                 out = self.model.generate(
-                    self.torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
-                    do_sample=False, pad_token_id=self.tokenizer.eos_token_id,
+                    self.torch.tensor([prompt_ids]),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=self.tokenizer.eos_token_id,
                 )
-            self._cache[key] = out[0, len(prompt_ids):].tolist()
+            self._cache[key] = out[0, len(prompt_ids) :].tolist()
         return self._cache[key]
 
     def prompt_logprobs(self, prompt_ids: list[int]) -> list[float]:
@@ -35,6 +37,7 @@ class HFReference:
         return [lp[i - 1, prompt_ids[i]].item() for i in range(1, len(prompt_ids))]
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tokenize=False)
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

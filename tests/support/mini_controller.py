@@ -11,15 +11,18 @@ import pytest
 
 from common.wire.step_types import CachedRequestData, NewRequestData, SamplingParams, StepInput
 
-MODEL_DIR = os.environ.get("TANDEM_MODEL_DIR",
-                           os.path.expanduser("~/.cache/tandem/models/SmolLM2-135M-Instruct"))
+MODEL_DIR = os.environ.get(
+    "TANDEM_MODEL_DIR", os.path.expanduser("~/.cache/tandem/models/SmolLM2-135M-Instruct")
+)
 
 
 BLOCK = 16
 
 
-needs_model = pytest.mark.skipif(not os.path.exists(os.path.join(MODEL_DIR, "config.json")),
-                                 reason=f"default model not found at {MODEL_DIR}")
+needs_model = pytest.mark.skipif(
+    not os.path.exists(os.path.join(MODEL_DIR, "config.json")),
+    reason=f"default model not found at {MODEL_DIR}",
+)
 
 
 @dataclass
@@ -70,13 +73,20 @@ class MiniController:
             new_blocks = [self.free.pop(0) for _ in range(need)]
             req.blocks += new_blocks
             if not req.sent:
-                step.new_requests.append(NewRequestData(
-                    req.rid, req.prompt, list(req.output), req.sampling, list(req.blocks),
-                    req.computed, n))
+                step.new_requests.append(
+                    NewRequestData(
+                        req.rid,
+                        req.prompt,
+                        list(req.output),
+                        req.sampling,
+                        list(req.blocks),
+                        req.computed,
+                        n,
+                    )
+                )
                 req.sent = True
             else:
-                step.cached_requests.append(CachedRequestData(req.rid, new_blocks,
-                                                              req.computed, n))
+                step.cached_requests.append(CachedRequestData(req.rid, new_blocks, req.computed, n))
             scheduled[req.rid] = (req, n)
         out = self.runner.execute_model(step)
         self.step_id += 1

@@ -40,14 +40,24 @@ class LiveServer:
     def client(self, **kw):
         import openai
 
-        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0,
-                             timeout=kw.pop("timeout", 300), **kw)
+        return openai.OpenAI(
+            base_url=self.base_url + "/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=kw.pop("timeout", 300),
+            **kw,
+        )
 
     def async_client(self, **kw):
         import openai
 
-        return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key="unused",
-                                  max_retries=0, timeout=kw.pop("timeout", 300), **kw)
+        return openai.AsyncOpenAI(
+            base_url=self.base_url + "/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=kw.pop("timeout", 300),
+            **kw,
+        )
 
     def executors_state(self) -> list[dict]:
         import httpx
@@ -81,18 +91,41 @@ def spawn_process(args: list[str], log_path: str) -> subprocess.Popen:
     """`python ARGS` from the repository root in a session of its own, output to log_path."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     log = open(log_path, "w")
-    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def executor_command(module: str, model: str, port: int, extra=()) -> list[str]:
     """Arguments (after the interpreter) that start one executor for the tests."""
-    return ["-m", module, "--model", model, "--host", "127.0.0.1", "--port", str(port),
-            "--kv-cache-bytes", str(256 * 2**20), *extra]
+    return [
+        "-m",
+        module,
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--kv-cache-bytes",
+        str(256 * 2**20),
+        *extra,
+    ]
 
 
-def start_server(model: str, tmp_dir: str, controller_args=(), executor_args=(),
-                 executor_kinds=("executor_gpu",), timeout: float = 600.0) -> LiveServer:
+def start_server(
+    model: str,
+    tmp_dir: str,
+    controller_args=(),
+    executor_args=(),
+    executor_kinds=("executor_gpu",),
+    timeout: float = 600.0,
+) -> LiveServer:
     """Start one executor per entry of executor_kinds (a module name each) and a controller;
     wait until /health answers 200."""
     import httpx
@@ -100,17 +133,37 @@ def start_server(model: str, tmp_dir: str, controller_args=(), executor_args=(),
     executors, ports = [], []
     for i, module in enumerate(executor_kinds):
         port = free_port()
-        executors.append(spawn_process(executor_command(module, model, port, executor_args),
-                                os.path.join(tmp_dir, f"executor{i}.log")))
+        executors.append(
+            spawn_process(
+                executor_command(module, model, port, executor_args),
+                os.path.join(tmp_dir, f"executor{i}.log"),
+            )
+        )
         ports.append(port)
     http_port = free_port()
     controller = spawn_process(
-        ["-m", "controller", "--model", model, "--host", "127.0.0.1", "--port", str(http_port),
-         *sum((["--executor", f"127.0.0.1:{p}"] for p in ports), []), *controller_args],
+        [
+            "-m",
+            "controller",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(http_port),
+            *sum((["--executor", f"127.0.0.1:{p}"] for p in ports), []),
+            *controller_args,
+        ],
         os.path.join(tmp_dir, "controller.log"),
     )
-    server = LiveServer(f"http://127.0.0.1:{http_port}", os.path.basename(model.rstrip("/")),
-                        controller, executors, ports, tmp_dir)
+    server = LiveServer(
+        f"http://127.0.0.1:{http_port}",
+        os.path.basename(model.rstrip("/")),
+        controller,
+        executors,
+        ports,
+        tmp_dir,
+    )
     deadline = time.time() + timeout
     while True:
         for p in [controller, *executors]:
@@ -143,8 +196,15 @@ def executor_module_available(module: str) -> bool:
     return os.path.exists(os.path.join(ROOT, module, "__main__.py"))
 
 
-def spawn_executor(module: str, model: str, tmp_dir: str, name: str, port: int | None = None,
-                   host: str = "127.0.0.1", extra=()) -> tuple[subprocess.Popen, int]:
+def spawn_executor(
+    module: str,
+    model: str,
+    tmp_dir: str,
+    name: str,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    extra=(),
+) -> tuple[subprocess.Popen, int]:
     """Start one executor process listening on host:port; returns (process, port)."""
     port = port or free_port()
     args = executor_command(module, model, port, [*extra, "--host", host])
@@ -155,12 +215,27 @@ def spawn_controller(model: str, tmp_dir: str, args=(), name: str = "controller"
     """Start a controller with the given flags (executors included) without waiting."""
     http_port = free_port()
     controller = spawn_process(
-        ["-m", "controller", "--model", model, "--host", "127.0.0.1", "--port", str(http_port),
-         *args],
+        [
+            "-m",
+            "controller",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(http_port),
+            *args,
+        ],
         os.path.join(tmp_dir, f"{name}.log"),
     )
-    return LiveServer(f"http://127.0.0.1:{http_port}", os.path.basename(model.rstrip("/")),
-                      controller, [], [], tmp_dir)
+    return LiveServer(
+        f"http://127.0.0.1:{http_port}",
+        os.path.basename(model.rstrip("/")),
+        controller,
+        [],
+        [],
+        tmp_dir,
+    )
 
 
 def rss_mib(pid: int) -> float:
@@ -175,8 +250,9 @@ def rss_mib(pid: int) -> float:
 def read_ports_files(files: list[str], timeout: float, logs: str = "") -> list[int]:
     """The ports that ``executor_sim --ports-file`` processes wrote, once every file exists
     (each is written whole, once all of its process's executors serve), in file order."""
-    wait_until(lambda: all(os.path.exists(f) for f in files), timeout, "simulated executors",
-               logs=logs)
+    wait_until(
+        lambda: all(os.path.exists(f) for f in files), timeout, "simulated executors", logs=logs
+    )
     ports: list[int] = []
     for path in files:
         with open(path) as f:
@@ -202,6 +278,7 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.2, logs
 
 def wait_healthy_executors(server: LiveServer, count: int, timeout: float = 300.0) -> list[dict]:
     """Wait until at least `count` executors are healthy; return the executors' state."""
+
     def ready():
         state = server.executors_state()
         return state if sum(e["healthy"] for e in state) >= count else None
@@ -211,5 +288,13 @@ def wait_healthy_executors(server: LiveServer, count: int, timeout: float = 300.
 
 # Fast failure detection for fleet tests: a check every 0.5 s, an executor is lost after 3
 # unanswered checks of 1 s (generous on a busy 2-core machine).
-FAST_HEALTH = ["--health-check-interval", "0.5", "--health-check-timeout", "1.0",
-               "--health-check-failures", "3", "--reconnect-backoff-max", "1.0"]
+FAST_HEALTH = [
+    "--health-check-interval",
+    "0.5",
+    "--health-check-timeout",
+    "1.0",
+    "--health-check-failures",
+    "3",
+    "--reconnect-backoff-max",
+    "1.0",
+]

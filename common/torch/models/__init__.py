@@ -25,8 +25,9 @@ def get_model_class(architecture: str) -> type:
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def build_model(model_dir: str, dtype: Any, device: Any, max_model_len: int = 0,
-                load_format: str = "auto") -> Any:
+def build_model(
+    model_dir: str, dtype: Any, device: Any, max_model_len: int = 0, load_format: str = "auto"
+) -> Any:
     """Create the checkpoint's model on ``device`` with ``dtype`` weights, loaded and in eval mode.
 
     Parameters are first created on the meta device (no random init), then allocated on the

@@ -44,8 +44,7 @@ class LayerOps:
     logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _torch_linear(x: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
+def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
 
@@ -58,14 +57,16 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * xf.to(x.dtype)
 
 
-def _torch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                        eps: float) -> torch.Tensor:
+def _torch_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
     residual.add_(x)
     return torch_rms_norm(residual, weight, eps)
 
 
-def _torch_rope_for_step(table: torch.Tensor, positions: torch.Tensor,
-                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _torch_rope_for_step(
+    table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin [T, 1, d] of the tokens' positions (looked up once per step)."""
     half = table.shape[-1] // 2
     rows = table[positions].to(dtype)  # [T, d]
@@ -80,8 +81,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
-def _torch_rotary(x: torch.Tensor, n: int, rope: tuple[torch.Tensor, torch.Tensor]
-                  ) -> torch.Tensor:
+def _torch_rotary(x: torch.Tensor, n: int, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return apply_rotary(x[:, :n], *rope)
 
 
@@ -97,6 +97,15 @@ def torch_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, hidden.t()).t().float().contiguous()
 
 
-TORCH_LAYER_OPS = LayerOps("torch", lambda weight: weight, _torch_linear, torch_rms_norm,
-                           _torch_add_rms_norm, _torch_rope_for_step, _torch_rotary,
-                           _torch_silu_and_mul, lambda weight: weight, torch_logits)
+TORCH_LAYER_OPS = LayerOps(
+    "torch",
+    lambda weight: weight,
+    _torch_linear,
+    torch_rms_norm,
+    _torch_add_rms_norm,
+    _torch_rope_for_step,
+    _torch_rotary,
+    _torch_silu_and_mul,
+    lambda weight: weight,
+    torch_logits,
+)

@@ -80,15 +80,16 @@ class LlamaArgs:
         )
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float,
-                             scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
+def rope_inverse_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None
+) -> tuple[torch.Tensor, float]:
     """RoPE inverse frequencies (float32, [head_dim/2]) and the position divisor.
 
     Supports plain RoPE, ``linear`` scaling (positions divided by the factor) and ``llama3``
     scaling (long wavelengths slowed by the factor, a smooth blend in between).
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq, 1.0
     kind = scaling["rope_type"]
@@ -111,8 +112,9 @@ def rope_inverse_frequencies(head_dim: int, theta: float,
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (half-split rotation) from a precomputed cos/sin table."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None):
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+    ):
         super().__init__()
         self.head_dim = head_dim
         self.max_positions = max_positions
@@ -178,8 +180,10 @@ class Linear(nn.Module):
         else:
             raise KeyError(f"no parameter {param!r}")
         if dest.shape != src.shape:
-            raise ValueError(f"{param} shard {shard}: checkpoint {tuple(tensor.shape)} does not "
-                             f"fit {tuple(dest.shape)}")
+            raise ValueError(
+                f"{param} shard {shard}: checkpoint {tuple(tensor.shape)} does not "
+                f"fit {tuple(dest.shape)}"
+            )
         dest.copy_(src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,10 +201,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = args.head_dim
         q_size = args.num_heads * args.head_dim
         kv_size = args.num_kv_heads * args.head_dim
-        self.qkv_proj = Linear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias,
-                               dtype)
+        self.qkv_proj = Linear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias, dtype)
         self.o_proj = Linear(q_size, [args.hidden_size], args.o_bias, dtype)
-        self.scale = args.head_dim ** -0.5
+        self.scale = args.head_dim**-0.5
         self.kv_cache: torch.Tensor | None = None  # bound by LlamaForCausalLM.bind_kv_cache
         self.backend: AttentionBackend = get_attention_backend("torch")
         self.ops: LayerOps = TORCH_LAYER_OPS
@@ -242,8 +245,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
-    def forward(self, rope: Any, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, rope: Any, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer. The residual stream is carried separately: the layer's input is
         ``residual + x`` (just ``x`` for the first layer, residual None), which the input norm
         forms in place; returns (this layer's MLP output, the residual stream before it)."""
@@ -262,10 +266,10 @@ class LlamaModel(nn.Module):
     def __init__(self, args: LlamaArgs, max_positions: int, dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
-        self.rotary = RotaryEmbedding(args.head_dim, max_positions, args.rope_theta,
-                                      args.rope_scaling)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(args, dtype) for _ in range(args.num_layers))
+        self.rotary = RotaryEmbedding(
+            args.head_dim, max_positions, args.rope_theta, args.rope_scaling
+        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, dtype) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
 
@@ -285,8 +289,9 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "up_proj", 1),
     ]
 
-    def __init__(self, config: dict[str, Any], dtype: torch.dtype = torch.float32,
-                 max_model_len: int = 0):
+    def __init__(
+        self, config: dict[str, Any], dtype: torch.dtype = torch.float32, max_model_len: int = 0
+    ):
         super().__init__()
         self.args = LlamaArgs.from_config(config)
         self.dtype = dtype
@@ -297,8 +302,9 @@ class LlamaForCausalLM(nn.Module):
         self.logits_weight: torch.Tensor | None = None
         # A device's whole-stack forward (see StackForward), or None: the layers one by one.
         self.stack_forward: StackForward | None = None
-        self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False,
-                                 dtype=dtype)
+        self.lm_head = nn.Linear(
+            self.args.hidden_size, self.args.vocab_size, bias=False, dtype=dtype
+        )
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -345,8 +351,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.backend = backend
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] (after the final norm) of a flat batch of T tokens."""
         x = self.model.embed_tokens(input_ids)
         if self.stack_forward is not None:

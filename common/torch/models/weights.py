@@ -73,8 +73,10 @@ def load_weights(model: nn.Module, model_dir: str, dtype: torch.dtype) -> int:
                 module.load_tensor(param, tensor.to(dtype), shard)
             elif target in params and shard == 0:
                 if params[target].shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
-                                     f"parameter {tuple(params[target].shape)}")
+                    raise ValueError(
+                        f"{name}: checkpoint shape {tuple(tensor.shape)} != "
+                        f"parameter {tuple(params[target].shape)}"
+                    )
                 params[target].data.copy_(tensor.to(dtype))
             else:
                 log.warning("checkpoint tensor %s has no parameter; skipped", name)

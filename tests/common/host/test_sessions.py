@@ -41,8 +41,15 @@ def bare_executor(default_model_dir, tmp_path_factory):
     proc, port = spawn_executor("executor_gpu", default_model_dir, tmp, "executor")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     health = health_pb2_grpc.HealthStub(channel)
-    wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
-               == health_pb2.HealthCheckResponse.SERVING, 300, "the executor", logs=tmp)
+    wait_until(
+        lambda: (
+            health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+            == health_pb2.HealthCheckResponse.SERVING
+        ),
+        300,
+        "the executor",
+        logs=tmp,
+    )
     stub = pb_grpc.ExecutorStub(channel)
     _handshake(stub)
     yield stub
@@ -52,8 +59,10 @@ def bare_executor(default_model_dir, tmp_path_factory):
 
 
 def _handshake(stub: pb_grpc.ExecutorStub) -> None:
-    stub.InitDevice(pb.InitDeviceRequest(max_num_batched_tokens=64, max_num_seqs=4,
-                                         max_model_len=256, seed=0), timeout=120)
+    stub.InitDevice(
+        pb.InitDeviceRequest(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256, seed=0),
+        timeout=120,
+    )
     stub.InitializeCache(pb.InitializeCacheRequest(num_blocks=16), timeout=300)
 
 

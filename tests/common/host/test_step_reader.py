@@ -45,6 +45,7 @@ def _outputs(started: list[int], fail_at: int | None = None):
         if step.step_id == fail_at:
             raise _StepAborted(grpc.StatusCode.INTERNAL, "device fault")
         return StepOutput(step_id=step.step_id, outputs=[])
+
     return execute
 
 

@@ -27,8 +27,11 @@ from common.wire.step_types import CachedRequestData, NewRequestData, SamplingPa
 from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
 from executor_gpu.worker import GPUWorker  # noqa: E402
 
-PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
-           "List three primary colors."]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+]
 LOGIT_TOL = 1e-3
 MAX_DIFF: dict[str, float] = {}  # test name -> measured max |logit difference|
 
@@ -44,8 +47,9 @@ def prompts():
     tok = transformers.AutoTokenizer.from_pretrained(MODEL_DIR)
     out = []
     for text in PROMPTS:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}],
-                                      add_generation_prompt=True)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
         out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return out
 
@@ -57,8 +61,10 @@ def model():
 
 def _fresh_cache(model, num_blocks=64):
     args = model.args
-    caches = [torch.zeros(2, num_blocks, BLOCK, args.num_kv_heads, args.head_dim)
-              for _ in range(args.num_layers)]
+    caches = [
+        torch.zeros(2, num_blocks, BLOCK, args.num_kv_heads, args.head_dim)
+        for _ in range(args.num_layers)
+    ]
     model.bind_kv_cache(caches)
 
 
@@ -76,7 +82,7 @@ def _forward(model, batch_rows):
     with torch.inference_mode():
         logits = model.compute_logits(model(batch.input_ids, batch.positions, batch.attn))
     qsl = batch.attn.query_start_loc_host
-    return {r.state.request_id: logits[qsl[i]:qsl[i + 1]] for i, r in enumerate(rows)}
+    return {r.state.request_id: logits[qsl[i] : qsl[i + 1]] for i, r in enumerate(rows)}
 
 
 def _state(rid, ids, first_block):
@@ -146,8 +152,10 @@ def test_two_requests_batched_match_hf(model, hf_model, prompts):
         got = _forward(model, [(s0, len(s0.token_ids) - 1, 1), (s1, len(s1.token_ids) - 1, 1)])
         ours0.append(got["r0"])
         ours1.append(got["r1"])
-    diff = max((torch.cat(ours0) - ref0).abs().max().item(),
-               (torch.cat(ours1) - ref1[:len(p1) + 2]).abs().max().item())
+    diff = max(
+        (torch.cat(ours0) - ref0).abs().max().item(),
+        (torch.cat(ours1) - ref1[: len(p1) + 2]).abs().max().item(),
+    )
     _record("two batched", diff)
 
 
@@ -156,8 +164,14 @@ def test_two_requests_batched_match_hf(model, hf_model, prompts):
 
 @pytest.fixture(scope="module")
 def runner():
-    cfg = ExecutorConfig(model=MODEL_DIR, device="cpu", block_size=BLOCK, seed=7,
-                         max_num_batched_tokens=256, max_num_seqs=8)
+    cfg = ExecutorConfig(
+        model=MODEL_DIR,
+        device="cpu",
+        block_size=BLOCK,
+        seed=7,
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+    )
     r = GPUModelRunner(cfg, load_model_geometry(MODEL_DIR))
     r.load_model()
     r.initialize_kv_cache(64)
@@ -185,9 +199,14 @@ def test_greedy_batch_matches_hf_generate(runner, hf_model, prompts):
     assert len(runner.input_batch) == 0  # finished ids dropped every state
     for req, prompt in zip(reqs, prompts):
         with torch.inference_mode():
-            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)
-        assert req.output == ref[0, len(prompt):].tolist()
+            ref = hf_model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=20,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert req.output == ref[0, len(prompt) :].tolist()
 
 
 @needs_model
@@ -258,8 +277,15 @@ def test_dummy_and_profile_runs_keep_no_state(runner):
 
 @needs_model
 def test_worker_lifecycle_on_cpu(prompts):
-    cfg = ExecutorConfig(model=MODEL_DIR, device="auto", block_size=BLOCK, num_threads=0,
-                         kv_cache_bytes=64 * 2**20, max_num_batched_tokens=64, max_num_seqs=4)
+    cfg = ExecutorConfig(
+        model=MODEL_DIR,
+        device="auto",
+        block_size=BLOCK,
+        num_threads=0,
+        kv_cache_bytes=64 * 2**20,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+    )
     worker = GPUWorker(cfg)
     worker.init_device()
     if torch.cuda.is_available():
@@ -274,8 +300,12 @@ def test_worker_lifecycle_on_cpu(prompts):
     _, graphs = worker.initialize_cache(num_blocks)
     assert graphs == 0 and worker.check_health()
     assert worker.model_runner.kv_caches[0].shape == (2, num_blocks, BLOCK, 3, 64)
-    step = StepInput(0, new_requests=[NewRequestData("w", prompts[0], [], SamplingParams(),
-                                                     [1, 2, 3], 0, len(prompts[0]))])
+    step = StepInput(
+        0,
+        new_requests=[
+            NewRequestData("w", prompts[0], [], SamplingParams(), [1, 2, 3], 0, len(prompts[0]))
+        ],
+    )
     out = worker.execute_model(step)
     assert out.outputs[0].sampled_token_id == 504  # "The" (greedy, as transformers answers)
     assert out.device_seconds > 0
@@ -285,16 +315,31 @@ def test_worker_lifecycle_on_cpu(prompts):
 
 # --- tiny random checkpoints: other architectures and checkpoint layouts -------------------
 
-_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-             tie_word_embeddings=False)
+_TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
 
 
 def _tiny_config(kind):
     if kind == "llama3-rope-sharded":
-        return transformers.LlamaConfig(**_TINY, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        return transformers.LlamaConfig(
+            **_TINY,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
     if kind == "qwen2-qkv-bias":
         return transformers.Qwen2Config(**_TINY)
     if kind == "mistral-head-dim":

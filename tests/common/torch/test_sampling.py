@@ -30,8 +30,9 @@ def _logits(rows, seed=0):
 
 def _sample(logits, params, positions=None, prompts=None, outputs=None, sampler=None):
     n = len(params)
-    meta = build_sampling_metadata(params, positions or [10] * n, prompts or [[]] * n,
-                                   outputs or [[]] * n, V, "cpu")
+    meta = build_sampling_metadata(
+        params, positions or [10] * n, prompts or [[]] * n, outputs or [[]] * n, V, "cpu"
+    )
     return (sampler or Sampler(0))(logits, meta), meta
 
 
@@ -42,13 +43,16 @@ def test_greedy_is_argmax():
     assert out.logprobs is None
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0, top_k=1),
-    SamplingParams(temperature=1.5, top_p=1e-6),
-    SamplingParams(temperature=1.0, min_p=0.9999),
-    SamplingParams(temperature=1e-4),
-    SamplingParams(temperature=0.7, top_k=1, seed=3),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.5, top_p=1e-6),
+        SamplingParams(temperature=1.0, min_p=0.9999),
+        SamplingParams(temperature=1e-4),
+        SamplingParams(temperature=0.7, top_k=1, seed=3),
+    ],
+)
 def test_degenerate_random_equals_greedy(params):
     logits = _logits(6, seed=1)
     out, _ = _sample(logits, [params] * 6)
@@ -57,8 +61,12 @@ def test_degenerate_random_equals_greedy(params):
 
 def test_mixed_greedy_and_random_rows():
     logits = _logits(4, seed=2)
-    params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1), SamplingParams(),
-              SamplingParams(temperature=2.0, top_k=1, seed=5)]
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(),
+        SamplingParams(temperature=2.0, top_k=1, seed=5),
+    ]
     out, _ = _sample(logits, params)
     assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
 
@@ -82,8 +90,10 @@ def _reference_filter(row, top_k, top_p, min_p):
     return set(kept)
 
 
-@pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (0, 0.6, 0.0), (8, 0.8, 0.0),
-                                               (0, 1.0, 0.2), (6, 0.9, 0.1), (1, 1.0, 0.0)])
+@pytest.mark.parametrize(
+    "top_k,top_p,min_p",
+    [(5, 1.0, 0.0), (0, 0.6, 0.0), (8, 0.8, 0.0), (0, 1.0, 0.2), (6, 0.9, 0.1), (1, 1.0, 0.0)],
+)
 def test_filters_match_reference(top_k, top_p, min_p):
     logits = _logits(8, seed=3)
     n = logits.shape[0]
@@ -91,7 +101,8 @@ def test_filters_match_reference(top_k, top_p, min_p):
         logits,
         torch.full((n,), top_k) if top_k else None,
         torch.full((n,), top_p) if top_p < 1.0 else None,
-        torch.full((n,), min_p) if min_p else None)
+        torch.full((n,), min_p) if min_p else None,
+    )
     for i in range(n):
         kept = set(torch.isfinite(filtered[i]).nonzero()[:, 0].tolist())
         assert kept == _reference_filter(logits[i], top_k, top_p, min_p)
@@ -99,8 +110,7 @@ def test_filters_match_reference(top_k, top_p, min_p):
 
 def test_filters_per_row_parameters():
     logits = _logits(3, seed=4)
-    filtered = apply_filters(logits, torch.tensor([0, 3, 1]), torch.tensor([1.0, 1.0, 0.5]),
-                             None)
+    filtered = apply_filters(logits, torch.tensor([0, 3, 1]), torch.tensor([1.0, 1.0, 0.5]), None)
     counts = torch.isfinite(filtered).sum(-1).tolist()
     assert counts[0] == V and counts[1] == 3 and counts[2] == 1
 
@@ -126,16 +136,23 @@ def test_penalties_match_reference():
     logits = _logits(4, seed=6)
     prompts = [[1, 2, 3], [4, 4, 5], [], [7]]
     outputs = [[3, 3, 9], [], [10, 11, 10, 10], [7, 7]]
-    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
-              SamplingParams(repetition_penalty=1.3),
-              SamplingParams(),  # no penalties: unchanged
-              SamplingParams(presence_penalty=-0.3, frequency_penalty=0.1,
-                             repetition_penalty=0.8)]
+    params = [
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(),  # no penalties: unchanged
+        SamplingParams(presence_penalty=-0.3, frequency_penalty=0.1, repetition_penalty=0.8),
+    ]
     meta = build_sampling_metadata(params, [0] * 4, prompts, outputs, V, "cpu")
     got = apply_penalties(logits, meta)
     for i, p in enumerate(params):
-        ref = _reference_penalties(logits[i], prompts[i], outputs[i], p.presence_penalty,
-                                   p.frequency_penalty, p.repetition_penalty)
+        ref = _reference_penalties(
+            logits[i],
+            prompts[i],
+            outputs[i],
+            p.presence_penalty,
+            p.frequency_penalty,
+            p.repetition_penalty,
+        )
         assert torch.allclose(got[i], ref, atol=1e-6)
     assert torch.equal(got[2], logits[2])
 
@@ -156,18 +173,24 @@ def test_seeded_same_seed_and_position_same_token():
     assert tokens[0] == tokens[2]
     # A different batch, row and sampler state: still the same token at that position.
     other = torch.cat([_logits(2, seed=8), logits[:1]])
-    again, _ = _sample(other, [SamplingParams(temperature=1.0)] * 2 + [p], positions=[1, 2, 5],
-                       sampler=Sampler(123))
+    again, _ = _sample(
+        other,
+        [SamplingParams(temperature=1.0)] * 2 + [p],
+        positions=[1, 2, 5],
+        sampler=Sampler(123),
+    )
     assert again.sampled_token_ids.tolist()[2] == tokens[0]
 
 
 def test_seeded_different_seeds_or_positions_differ():
     logits = torch.zeros(64, V)  # uniform: the noise alone decides
-    by_seed, _ = _sample(logits, [SamplingParams(temperature=1.0, seed=s) for s in range(64)],
-                         positions=[3] * 64)
+    by_seed, _ = _sample(
+        logits, [SamplingParams(temperature=1.0, seed=s) for s in range(64)], positions=[3] * 64
+    )
     assert len(set(by_seed.sampled_token_ids.tolist())) > 10
-    by_pos, _ = _sample(logits, [SamplingParams(temperature=1.0, seed=1)] * 64,
-                        positions=list(range(64)))
+    by_pos, _ = _sample(
+        logits, [SamplingParams(temperature=1.0, seed=1)] * 64, positions=list(range(64))
+    )
     assert len(set(by_pos.sampled_token_ids.tolist())) > 10
 
 
@@ -208,9 +231,11 @@ def test_unseeded_rows_follow_executor_seed():
 
 def test_logprobs_from_raw_logits():
     logits = _logits(3, seed=9)
-    params = [SamplingParams(logprobs=2, repetition_penalty=2.0),
-              SamplingParams(temperature=0.5, top_k=4, logprobs=0, seed=1),
-              SamplingParams()]
+    params = [
+        SamplingParams(logprobs=2, repetition_penalty=2.0),
+        SamplingParams(temperature=0.5, top_k=4, logprobs=0, seed=1),
+        SamplingParams(),
+    ]
     out, meta = _sample(logits, params, prompts=[[0, 1, 2]] * 3)
     ref = torch.log_softmax(logits, -1)
     lp = out.logprobs
@@ -228,8 +253,9 @@ def test_logprobs_from_raw_logits():
 
 
 def test_logprobs_capped_by_max_logprobs():
-    meta = build_sampling_metadata([SamplingParams(logprobs=50)], [0], [[]], [[]], V, "cpu",
-                                   max_logprobs=5)
+    meta = build_sampling_metadata(
+        [SamplingParams(logprobs=50)], [0], [[]], [[]], V, "cpu", max_logprobs=5
+    )
     assert meta.num_logprobs == [5] and meta.max_num_logprobs == 5
 
 
@@ -249,11 +275,14 @@ def test_prompt_logprobs_helper():
 def test_min_tokens_suppresses_stop_ids_until_reached():
     logits = _logits(3)
     best = logits.argmax(dim=-1).tolist()
-    params = [SamplingParams(min_tokens=5, stop_token_ids=[best[0]]),  # short: suppressed
-              SamplingParams(min_tokens=5, stop_token_ids=[best[1]]),  # reached: allowed
-              SamplingParams(stop_token_ids=[best[2]])]  # no min_tokens: allowed
-    meta = build_sampling_metadata(params, [10] * 3, [[]] * 3, [[]] * 3, V, "cpu",
-                                   num_outputs=[2, 5, 0])
+    params = [
+        SamplingParams(min_tokens=5, stop_token_ids=[best[0]]),  # short: suppressed
+        SamplingParams(min_tokens=5, stop_token_ids=[best[1]]),  # reached: allowed
+        SamplingParams(stop_token_ids=[best[2]]),
+    ]  # no min_tokens: allowed
+    meta = build_sampling_metadata(
+        params, [10] * 3, [[]] * 3, [[]] * 3, V, "cpu", num_outputs=[2, 5, 0]
+    )
     out = Sampler(0)(logits, meta).sampled_token_ids.tolist()
     assert out[0] != best[0] and out[0] == logits[0].topk(2).indices[1].item()
     assert out[1:] == best[1:]

@@ -18,32 +18,47 @@ from common.wire.step_types import (
 def test_step_round_trip():
     step = StepInput(
         step_id=7,
-        new_requests=[NewRequestData("a", [1, 2, 3], [4], SamplingParams(temperature=0.5, top_k=3,
-                                                                          logprobs=2, seed=9),
-                                     [5, 6], 2, 2)],
+        new_requests=[
+            NewRequestData(
+                "a",
+                [1, 2, 3],
+                [4],
+                SamplingParams(temperature=0.5, top_k=3, logprobs=2, seed=9),
+                [5, 6],
+                2,
+                2,
+            )
+        ],
         cached_requests=[CachedRequestData("b", [], 40, 1), CachedRequestData("c", [8, 9], 63, 1)],
-        finished_request_ids=["d", "e"])
+        finished_request_ids=["d", "e"],
+    )
     wire = convert.step_to_pb(step).SerializeToString()
     assert convert.step_from_pb(pb.StepRequest.FromString(wire)) == step
 
 
 def test_result_round_trip():
     lp = TokenLogprobs(5, -0.25, 1, [5, 6], [-0.25, -1.5])
-    out = StepOutput(step_id=3, outputs=[
-        RequestStepOutput("a", sampled_token_id=0),  # token 0 is a token, not "none"
-        RequestStepOutput("b", sampled_token_id=12, logprobs=lp, prompt_logprobs=[lp, lp]),
-        RequestStepOutput("c"),  # a partial prefill: nothing sampled
-        RequestStepOutput("d", error="non-finite values in the forward"),
-    ], device_seconds=0.5)
+    out = StepOutput(
+        step_id=3,
+        outputs=[
+            RequestStepOutput("a", sampled_token_id=0),  # token 0 is a token, not "none"
+            RequestStepOutput("b", sampled_token_id=12, logprobs=lp, prompt_logprobs=[lp, lp]),
+            RequestStepOutput("c"),  # a partial prefill: nothing sampled
+            RequestStepOutput("d", error="non-finite values in the forward"),
+        ],
+        device_seconds=0.5,
+    )
     wire = convert.result_to_pb(out).SerializeToString()
     assert convert.result_from_pb(pb.StepResult.FromString(wire)) == out
 
 
 def test_packed_result_carries_a_token_per_request_and_messages_only_for_extras():
     lp = TokenLogprobs(5, -0.25, 1, [5, 6], [-0.25, -1.5])
-    step = StepInput(step_id=3, new_requests=[NewRequestData("n", [1, 2], [], SamplingParams(),
-                                                             [1], 0, 2)],
-                     cached_requests=[CachedRequestData(r, [], 9, 1) for r in "abcd"])
+    step = StepInput(
+        step_id=3,
+        new_requests=[NewRequestData("n", [1, 2], [], SamplingParams(), [1], 0, 2)],
+        cached_requests=[CachedRequestData(r, [], 9, 1) for r in "abcd"],
+    )
     # An executor's outputs come in its batch order, not the step's.
     outputs = [
         RequestStepOutput("d", error="non-finite values in the forward"),
@@ -65,23 +80,33 @@ def test_the_scheduler_reads_both_result_forms_alike():
     from controller.core.scheduler import Scheduler, SchedulerConfig
 
     def run(packed: bool) -> list:
-        sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
-                                          block_size=4, num_blocks=64))
+        sched = Scheduler(
+            SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, block_size=4, num_blocks=64)
+        )
         for rid in "abc":
-            sched.add_request(Request(rid, [1, 2, 3], SamplingParams(logprobs=0 if rid == "b"
-                                                                     else None), max_tokens=3))
+            sched.add_request(
+                Request(
+                    rid, [1, 2, 3], SamplingParams(logprobs=0 if rid == "b" else None), max_tokens=3
+                )
+            )
         seen = []
         for i in range(4):
             step = sched.schedule()
             rids = [r.request_id for r in step.new_requests + step.cached_requests]
             if not rids:
                 break
-            outs = StepOutput(step.step_id, [
-                RequestStepOutput(rid, sampled_token_id=10 * i + ord(rid),
-                                  logprobs=TokenLogprobs(10 * i + ord(rid), -1.0, 1)
-                                  if rid == "b" else None,
-                                  error="bad" if (rid, i) == ("c", 2) else "")
-                for rid in reversed(rids)])
+            outs = StepOutput(
+                step.step_id,
+                [
+                    RequestStepOutput(
+                        rid,
+                        sampled_token_id=10 * i + ord(rid),
+                        logprobs=TokenLogprobs(10 * i + ord(rid), -1.0, 1) if rid == "b" else None,
+                        error="bad" if (rid, i) == ("c", 2) else "",
+                    )
+                    for rid in reversed(rids)
+                ],
+            )
             if packed:
                 outs = convert.result_from_pb(convert.result_to_pb(outs, step))
                 assert outs.sampled_token_ids is not None

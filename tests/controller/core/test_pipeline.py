@@ -22,8 +22,9 @@ from tests.controller.core.harness import (
 )
 
 
-def drive_pipelined(sched: Scheduler, ex: FakeExecutor, depth: int, on_step=None,
-                    max_steps: int = 5000) -> dict[str, Result]:
+def drive_pipelined(
+    sched: Scheduler, ex: FakeExecutor, depth: int, on_step=None, max_steps: int = 5000
+) -> dict[str, Result]:
     """Keep up to `depth` steps in flight (the executor runs each as it is sent, as a real one
     does in stream order); apply results in order. `on_step(i, sched)` may abort requests."""
     results: dict[str, Result] = {}
@@ -63,8 +64,9 @@ def _workload(seed: int, sched: Scheduler) -> dict[str, tuple[list[int], int]]:
     shared = [rng.randrange(10, 900) for _ in range(40)]
     made = {}
     for i in range(24):
-        prompt = (shared if i % 3 == 0 else []) + [rng.randrange(10, 900)
-                                                  for _ in range(rng.randrange(1, 70))]
+        prompt = (shared if i % 3 == 0 else []) + [
+            rng.randrange(10, 900) for _ in range(rng.randrange(1, 70))
+        ]
         req = make_request(f"r{i}", prompt, max_tokens=rng.randrange(1, 30))
         sched.add_request(req)
         made[req.request_id] = (prompt, req.max_tokens)
@@ -76,8 +78,9 @@ def _workload(seed: int, sched: Scheduler) -> dict[str, tuple[list[int], int]]:
 def test_pipelined_outputs_match_one_step_at_a_time(seed, num_blocks):
     outputs = {}
     for depth in (1, 2, 3):
-        sched = Scheduler(make_config(num_blocks=num_blocks, max_num_batched_tokens=48,
-                                      max_num_seqs=8))
+        sched = Scheduler(
+            make_config(num_blocks=num_blocks, max_num_batched_tokens=48, max_num_seqs=8)
+        )
         made = _workload(seed, sched)
         results = drive_pipelined(sched, FakeExecutor(), depth)
         for rid, (prompt, max_tokens) in made.items():

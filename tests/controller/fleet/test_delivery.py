@@ -15,9 +15,15 @@ def _tracked(stream: bool) -> Tracked:
 
 
 def _delta(i: int, finished: bool = False) -> OutputDelta:
-    return OutputDelta("r", text=f"t{i} ", token_ids=[i], num_output_tokens=i + 1,
-                       logprobs=[TokenLogprobs(i, -0.5, 1)], finished=finished,
-                       finish_reason="length" if finished else None)
+    return OutputDelta(
+        "r",
+        text=f"t{i} ",
+        token_ids=[i],
+        num_output_tokens=i + 1,
+        logprobs=[TokenLogprobs(i, -0.5, 1)],
+        finished=finished,
+        finish_reason="length" if finished else None,
+    )
 
 
 def _drain(queue: asyncio.Queue) -> list[OutputDelta]:
@@ -69,21 +75,27 @@ def test_a_quiet_request_builds_no_delta_per_step_and_ends_with_all_its_tokens()
     from controller.text.detokenizer import OutputTextState
     from controller.text.tokenizer import Tokenizer
 
-    model = os.path.expanduser(os.environ.get(
-        "TANDEM_MODEL_DIR", "~/.cache/tandem/models/SmolLM2-135M-Instruct"))
+    model = os.path.expanduser(
+        os.environ.get("TANDEM_MODEL_DIR", "~/.cache/tandem/models/SmolLM2-135M-Instruct")
+    )
     if not os.path.isfile(os.path.join(model, "tokenizer.json")):
         pytest.skip("no model directory")
     tok = Tokenizer.from_model_dir(model)
     ids = tok.encode("The quick brown fox jumps over the lazy dog again and again")
     gen = GenerationRequest("q", [1, 2], SamplingParams(), max_tokens=64, stream=False)
-    tracked = Tracked(gen=gen, queue=asyncio.Queue(), arrival=0.0,
-                      text=OutputTextState(tok, defer=True),
-                      request=Request("q", [1, 2], SamplingParams(), max_tokens=64))
+    tracked = Tracked(
+        gen=gen,
+        queue=asyncio.Queue(),
+        arrival=0.0,
+        text=OutputTextState(tok, defer=True),
+        request=Request("q", [1, 2], SamplingParams(), max_tokens=64),
+    )
 
     def step(token: int, finished: bool = False) -> None:
         tracked.request.output_token_ids.append(token)
-        update = RequestUpdate("q", [token], finished=finished,
-                               finish_reason="length" if finished else None)
+        update = RequestUpdate(
+            "q", [token], finished=finished, finish_reason="length" if finished else None
+        )
         if not hold_quietly(tracked, update):
             deliver(tracked, make_delta(tracked, update))
 

@@ -81,10 +81,19 @@ def test_cost_model_follows_a_slowdown_and_ignores_bad_samples():
 
 
 def cand(key: str, **kw) -> Candidate:
-    base = dict(key=key, prefix_hit=0, num_requests=0, uncomputed_tokens=0, decode_tokens=0,
-                max_num_seqs=64, max_num_batched_tokens=2048, free_blocks=1000, block_size=16,
-                overhead=0.02,
-                per_token=0.001)
+    base = dict(
+        key=key,
+        prefix_hit=0,
+        num_requests=0,
+        uncomputed_tokens=0,
+        decode_tokens=0,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        free_blocks=1000,
+        block_size=16,
+        overhead=0.02,
+        per_token=0.001,
+    )
     base.update(kw)
     return Candidate(**base)
 
@@ -166,8 +175,14 @@ def _runner_with_scheduler():
     from controller.fleet.session import ExecutorRunner
 
     runner = ExecutorRunner(_FakeEngine(), "127.0.0.1:1")
-    runner.info = DeviceInfo("inc", "cpu", "cpu", ModelGeometry("m", "Llama", 100, 1, 1, 1, 4096),
-                             KVCacheSpec(16, 64, "float32"), Capabilities())
+    runner.info = DeviceInfo(
+        "inc",
+        "cpu",
+        "cpu",
+        ModelGeometry("m", "Llama", 100, 1, 1, 1, 4096),
+        KVCacheSpec(16, 64, "float32"),
+        Capabilities(),
+    )
     runner.num_blocks = 64
     runner.scheduler = Scheduler(SchedulerConfig(block_size=16, num_blocks=64))
     return runner
@@ -183,9 +198,14 @@ def test_runner_prefix_hit_sees_cached_and_queued_blocks_exactly():
     hashes = hash_token_blocks(prompt, 16)
     assert runner.prefix_hit(hashes, len(prompt)) == 0
     gen = GenerationRequest("r1", prompt, SamplingParams(), max_tokens=4)
-    tracked = Tracked(gen=gen, queue=asyncio.Queue(), text=None,
-                      request=Request("r1", prompt, SamplingParams(), max_tokens=4),
-                      arrival=0.0, queued_hashes=hashes)
+    tracked = Tracked(
+        gen=gen,
+        queue=asyncio.Queue(),
+        text=None,
+        request=Request("r1", prompt, SamplingParams(), max_tokens=4),
+        arrival=0.0,
+        queued_hashes=hashes,
+    )
     runner.add(tracked)
     # Queued, not scheduled: the pool has nothing yet, but its blocks will be cached before
     # any later request is admitted, so placement already counts them.
@@ -196,7 +216,8 @@ def test_runner_prefix_hit_sees_cached_and_queued_blocks_exactly():
     step = runner.scheduler.schedule()
     assert runner.scheduler.peek_prefix_hit(hashes, len(prompt)) == 64
     runner.scheduler.update_from_output(
-        step, StepOutput(step.step_id, [RequestStepOutput("r1", sampled_token_id=5)]))
+        step, StepOutput(step.step_id, [RequestStepOutput("r1", sampled_token_id=5)])
+    )
     runner.withdraw(tracked)  # gone: its announcement leaves, its computed blocks stay cached
     assert not runner._queued and not runner.tracked
     assert runner.prefix_hit(hashes, len(prompt)) == 64
@@ -216,8 +237,7 @@ def dns_server():
 def test_dns_query_answers_nxdomain_and_tcp_fallback(dns_server):
     ns = ("127.0.0.1", dns_server.port)
     dns_server.set("executors.fleet.test", ["127.0.0.2", "127.0.0.3"])
-    assert sorted(dns.query("executors.fleet.test", dns.QTYPE_A, ns)) == ["127.0.0.2",
-                                                                         "127.0.0.3"]
+    assert sorted(dns.query("executors.fleet.test", dns.QTYPE_A, ns)) == ["127.0.0.2", "127.0.0.3"]
     assert dns.query("executors.fleet.test", dns.QTYPE_AAAA, ns) == []
     assert dns.query("nothing.fleet.test", dns.QTYPE_A, ns) == []
     many = [f"127.0.1.{i}" for i in range(1, 9)]  # over the UDP limit: TC, then TCP
@@ -241,15 +261,23 @@ def test_discovery_merges_sources_and_keeps_answers_through_failures(dns_server,
     listing = tmp_path / "executors.txt"
     listing.write_text("# the fleet\n127.0.0.5:7000\n\n127.0.0.6:7000  # a comment\n")
     dns_server.set("pods.fleet.test", ["127.0.0.2"])
-    cfg = ControllerConfig(model="unused", executors=["127.0.0.1:7000"],
-                           executor_dns=["pods.fleet.test:7001"],
-                           executor_files=[str(listing)], dns_server=dns_server.address,
-                           discovery_interval=1.0)
+    cfg = ControllerConfig(
+        model="unused",
+        executors=["127.0.0.1:7000"],
+        executor_dns=["pods.fleet.test:7001"],
+        executor_files=[str(listing)],
+        dns_server=dns_server.address,
+        discovery_interval=1.0,
+    )
     disc = Discovery(cfg)
     assert disc.dynamic
     found = asyncio.run(disc.resolve())
-    assert found == {"127.0.0.1:7000": "static", "127.0.0.2:7001": "dns",
-                     "127.0.0.5:7000": "file", "127.0.0.6:7000": "file"}
+    assert found == {
+        "127.0.0.1:7000": "static",
+        "127.0.0.2:7001": "dns",
+        "127.0.0.5:7000": "file",
+        "127.0.0.6:7000": "file",
+    }
     # A new pod joins, one file entry goes.
     dns_server.set("pods.fleet.test", ["127.0.0.2", "127.0.0.3"])
     listing.write_text("127.0.0.5:7000\n")

@@ -13,8 +13,13 @@ from controller.fleet.health import HealthMonitor
 
 def monitor() -> HealthMonitor:
     woken: list[bool] = []
-    m = HealthMonitor(client=None, interval=1.0, timeout=1.0, failures=1,  # type: ignore[arg-type]
-                      on_lost=lambda: woken.append(True))
+    m = HealthMonitor(
+        client=None,
+        interval=1.0,
+        timeout=1.0,
+        failures=1,  # type: ignore[arg-type]
+        on_lost=lambda: woken.append(True),
+    )
     m.woken = woken  # type: ignore[attr-defined]
     return m
 

@@ -10,22 +10,23 @@ from executor_gpu.cpu import attention as cpu_attention
 from executor_gpu.cpu.kernels import load_kernels
 from tests.executor_gpu.paged_cases import step_meta
 
-pytestmark = pytest.mark.skipif(load_kernels() is None,
-                                reason="no C++ toolchain for the kernel")
+pytestmark = pytest.mark.skipif(load_kernels() is None, reason="no C++ toolchain for the kernel")
 
 
-def run_both(meta, heads: int, kv_heads: int, dim: int, block_size: int, num_blocks: int,
-             scale: float):
+def run_both(
+    meta, heads: int, kv_heads: int, dim: int, block_size: int, num_blocks: int, scale: float
+):
     """The registered backend and the reference on the same step over copies of one random
     cache: (outputs, caches) of each."""
     assert cpu_attention.register()
     tokens = meta.query_start_loc_host[-1]
     qkv = torch.randn(tokens, heads + 2 * kv_heads, dim)  # q, k, v are views of one tensor
-    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
     cache = torch.randn(2, num_blocks, block_size, kv_heads, dim)
     expected_cache, got_cache = cache.clone(), cache.clone()
-    expected = torch_paged_attention(q.contiguous(), k.contiguous(), v.contiguous(),
-                                     expected_cache, meta, scale)
+    expected = torch_paged_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), expected_cache, meta, scale
+    )
     meta.derived.clear()
     got = get_attention_backend(cpu_attention.BACKEND_NAME)(q, k, v, got_cache, meta, scale)
     return (got, expected), (got_cache, expected_cache)
@@ -33,34 +34,48 @@ def run_both(meta, heads: int, kv_heads: int, dim: int, block_size: int, num_blo
 
 # Head sizes of whole 16-float vectors up to 128 are the kernel's (64, 32, 128, 80, 16); others
 # (24, 144) fall back to the torch implementation.
-@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (8, 8, 32, 4),
-                                                           (4, 1, 128, 16), (6, 2, 80, 8),
-                                                           (10, 2, 16, 4), (6, 2, 24, 8),
-                                                           (2, 1, 144, 16)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,block_size",
+    [
+        (9, 3, 64, 16),
+        (8, 8, 32, 4),
+        (4, 1, 128, 16),
+        (6, 2, 80, 8),
+        (10, 2, 16, 4),
+        (6, 2, 24, 8),
+        (2, 1, 144, 16),
+    ],
+)
 # Up to a few decodes per thread, tasks split them by KV head; with more (the 20), each decode is
 # one task over all its KV heads.
-@pytest.mark.parametrize("lens", [[1], [5, 17, 16, 33], [200] * 3 + [1, 64],
-                                  [3 + 3 * i for i in range(20)]])
+@pytest.mark.parametrize(
+    "lens", [[1], [5, 17, 16, 33], [200] * 3 + [1, 64], [3 + 3 * i for i in range(20)]]
+)
 def test_decodes_match_the_reference(heads, kv_heads, dim, block_size, lens):
     """A decode step: each request's new key and value stored, then attended with the rest."""
     torch.manual_seed(len(lens) * heads)
     num_blocks = 256
     meta = step_meta(lens, [1] * len(lens), block_size, num_blocks, seed=heads)
     (got, expected), (got_cache, expected_cache) = run_both(
-        meta, heads, kv_heads, dim, block_size, num_blocks, dim ** -0.5)
+        meta, heads, kv_heads, dim, block_size, num_blocks, dim**-0.5
+    )
     assert torch.equal(got_cache, expected_cache)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16),
-                                                           (6, 2, 16, 4)])
-@pytest.mark.parametrize("lens,new", [
-    ([7], [7]),                           # one prefill from scratch
-    ([40, 9, 14], [40, 1, 1]),            # a prefill of several query runs, then decodes
-    ([9, 14, 7, 50], [1, 1, 3, 21]),      # decodes, then chunks after cached tokens
-    ([100, 33, 1], [17, 33, 1]),          # a chunk, a whole prompt, a one-token prompt
-    ([9 + i for i in range(12)] + [50], [1] * 12 + [21]),  # decodes taken whole, a chunk
-])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (6, 2, 16, 4)]
+)
+@pytest.mark.parametrize(
+    "lens,new",
+    [
+        ([7], [7]),  # one prefill from scratch
+        ([40, 9, 14], [40, 1, 1]),  # a prefill of several query runs, then decodes
+        ([9, 14, 7, 50], [1, 1, 3, 21]),  # decodes, then chunks after cached tokens
+        ([100, 33, 1], [17, 33, 1]),  # a chunk, a whole prompt, a one-token prompt
+        ([9 + i for i in range(12)] + [50], [1] * 12 + [21]),  # decodes taken whole, a chunk
+    ],
+)
 def test_prefill_chunks_match_the_reference(heads, kv_heads, dim, block_size, lens, new):
     """Mixed steps: every query token attends causally to its request's cached and new
     tokens, all of whose keys and values the kernel stores first."""
@@ -68,7 +83,8 @@ def test_prefill_chunks_match_the_reference(heads, kv_heads, dim, block_size, le
     num_blocks = 128
     meta = step_meta(lens, new, block_size, num_blocks, seed=dim)
     (got, expected), (got_cache, expected_cache) = run_both(
-        meta, heads, kv_heads, dim, block_size, num_blocks, 0.3)
+        meta, heads, kv_heads, dim, block_size, num_blocks, 0.3
+    )
     assert torch.equal(got_cache, expected_cache)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

@@ -19,13 +19,21 @@ pytestmark = pytest.mark.skipif(load_kernels() is None, reason="no C++ toolchain
 BLOCK, BLOCKS = 16, 40
 
 
-def tiny_model(hidden: int = 128, heads: int = 4, kv_heads: int = 2, qwen2: bool = False,
-               seed: int = 0) -> LlamaForCausalLM:
+def tiny_model(
+    hidden: int = 128, heads: int = 4, kv_heads: int = 2, qwen2: bool = False, seed: int = 0
+) -> LlamaForCausalLM:
     """A random 3-layer model on the CPU kernels (Qwen2: biases on q/k/v)."""
-    config = {"vocab_size": 320, "hidden_size": hidden, "intermediate_size": 2 * hidden,
-              "num_hidden_layers": 3, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5,
-              "max_position_embeddings": 256, "model_type": "qwen2" if qwen2 else "llama"}
+    config = {
+        "vocab_size": 320,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": 3,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 256,
+        "model_type": "qwen2" if qwen2 else "llama",
+    }
     model = LlamaForCausalLM(config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -40,8 +48,10 @@ def tiny_model(hidden: int = 128, heads: int = 4, kv_heads: int = 2, qwen2: bool
 def bind_random_cache(model: LlamaForCausalLM, seed: int) -> list[torch.Tensor]:
     a = model.args
     g = torch.Generator().manual_seed(seed)
-    caches = [torch.randn(2, BLOCKS, BLOCK, a.num_kv_heads, a.head_dim, generator=g)
-              for _ in range(a.num_layers)]
+    caches = [
+        torch.randn(2, BLOCKS, BLOCK, a.num_kv_heads, a.head_dim, generator=g)
+        for _ in range(a.num_layers)
+    ]
     model.bind_kv_cache(caches)
     return caches
 
@@ -50,19 +60,24 @@ def run(model, ids, positions, meta, caches, stacked: bool):
     """Hidden states of one step, the KV caches bound to copies of ``caches``."""
     copies = [c.clone() for c in caches]
     model.bind_kv_cache(copies)
-    model.set_stack_forward(stack_forward_of(load_kernels(), model,
-                                             get_attention_backend(cpu_attention.BACKEND_NAME))
-                            if stacked else None)
+    model.set_stack_forward(
+        stack_forward_of(load_kernels(), model, get_attention_backend(cpu_attention.BACKEND_NAME))
+        if stacked
+        else None
+    )
     with torch.inference_mode():
         return model(ids, positions, meta), copies
 
 
 @pytest.mark.parametrize("qwen2", [False, True])
-@pytest.mark.parametrize("lens,new", [
-    ([9, 30, 17], [1, 1, 1]),  # decodes
-    ([9, 14, 40], [1, 1, 23]),  # decodes and a prefill chunk after cached tokens
-    ([33], [33]),  # a prefill from scratch
-])
+@pytest.mark.parametrize(
+    "lens,new",
+    [
+        ([9, 30, 17], [1, 1, 1]),  # decodes
+        ([9, 14, 40], [1, 1, 23]),  # decodes and a prefill chunk after cached tokens
+        ([33], [33]),  # a prefill from scratch
+    ],
+)
 def test_stack_matches_the_layers_exactly(qwen2, lens, new):
     model = tiny_model(qwen2=qwen2)
     caches = bind_random_cache(model, 1)
@@ -96,8 +111,9 @@ def test_stack_declines_where_its_kernels_do_not_all_apply():
 
     unpacked = tiny_model(hidden=96, heads=3, kv_heads=1)  # 96 columns: no whole panels
     bind_random_cache(unpacked, 0)
-    fn = stack_forward_of(load_kernels(), unpacked,
-                          get_attention_backend(cpu_attention.BACKEND_NAME))
+    fn = stack_forward_of(
+        load_kernels(), unpacked, get_attention_backend(cpu_attention.BACKEND_NAME)
+    )
     with torch.inference_mode():
         assert fn(torch.randn(1, 96), positions, meta) is None
 

@@ -14,8 +14,9 @@ from executor_gpu.cpu.layer_ops import layer_ops
 
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="no C++ toolchain for the kernels")
 
-MODEL_DIR = os.environ.get("TANDEM_MODEL_DIR",
-                           os.path.expanduser("~/.cache/tandem/models/SmolLM2-135M-Instruct"))
+MODEL_DIR = os.environ.get(
+    "TANDEM_MODEL_DIR", os.path.expanduser("~/.cache/tandem/models/SmolLM2-135M-Instruct")
+)
 # Row counts on one thread (decode-sized) and split across threads (past the threshold).
 ROWS = [1, 7, 64, 700]
 
@@ -30,8 +31,9 @@ def test_rms_norm_and_residual_add(fused, rows):
     torch.manual_seed(rows)
     x, res = torch.randn(rows, 576) * 3, torch.randn(rows, 576)
     w = torch.randn(576)
-    torch.testing.assert_close(fused.rms_norm(x, w, 1e-5), REF.rms_norm(x, w, 1e-5),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        fused.rms_norm(x, w, 1e-5), REF.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5
+    )
     r_ref, r_got = res.clone(), res.clone()
     expected = REF.add_rms_norm(x, r_ref, w, 1e-5)
     got = fused.add_rms_norm(x, r_got, w, 1e-5)
@@ -52,8 +54,12 @@ def test_packed_linear(fused, rows, bias):
     expected = x @ w + (b if bias else 0)
     torch.testing.assert_close(fused.linear(x, packed, b), expected, rtol=1e-5, atol=1e-5)
     wide = torch.randn(rows, 200)  # rows of a wider tensor
-    torch.testing.assert_close(fused.linear(wide[:, 7:103], packed, b),
-                               REF.linear(wide[:, 7:103].contiguous(), w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        fused.linear(wide[:, 7:103], packed, b),
+        REF.linear(wide[:, 7:103].contiguous(), w, b),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_linear_without_whole_panels_stays_unpacked(fused):
@@ -75,8 +81,9 @@ def test_silu_and_mul(fused, rows):
     torch.manual_seed(rows)
     gate_up = torch.randn(rows, 2 * 1536) * 6
     gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])  # past the exp clamp
-    torch.testing.assert_close(fused.silu_and_mul(gate_up), REF.silu_and_mul(gate_up),
-                               rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(
+        fused.silu_and_mul(gate_up), REF.silu_and_mul(gate_up), rtol=2e-6, atol=1e-6
+    )
 
 
 def test_non_finite_values_propagate(fused):
@@ -110,8 +117,9 @@ def test_rotary_rejects_positions_past_the_table(fused):
         fused.rotary(torch.randn(2, 3, 64), 2, (table, torch.tensor([3, 8])))
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(MODEL_DIR, "config.json")),
-                    reason="default model not found")
+@pytest.mark.skipif(
+    not os.path.exists(os.path.join(MODEL_DIR, "config.json")), reason="default model not found"
+)
 def test_model_with_fused_ops_matches_torch_ops(fused):
     """A whole prefill of the default model: same hidden states (within float32 rounding) and
     the same greedy token at every position."""
@@ -121,17 +129,24 @@ def test_model_with_fused_ops_matches_torch_ops(fused):
     ids = torch.tensor([1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3714, 282, 30])
     n = ids.numel()
     meta = AttentionMetadata(
-        slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n]),
-        seq_lens=torch.tensor([n]), block_tables=torch.zeros(1, 1, dtype=torch.long),
-        block_size=16, num_decodes=0, max_decode_seq_len=0, query_start_loc_host=[0, n],
-        seq_lens_host=[n])
+        slot_mapping=torch.arange(n),
+        query_start_loc=torch.tensor([0, n]),
+        seq_lens=torch.tensor([n]),
+        block_tables=torch.zeros(1, 1, dtype=torch.long),
+        block_size=16,
+        num_decodes=0,
+        max_decode_seq_len=0,
+        query_start_loc_host=[0, n],
+        seq_lens_host=[n],
+    )
     with torch.inference_mode():
         expected = model(ids, torch.arange(n), meta)
         model.set_layer_ops(fused)
         got = model(ids, torch.arange(n), meta)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-        assert torch.equal(model.compute_logits(got).argmax(-1),
-                           model.compute_logits(expected).argmax(-1))
+        assert torch.equal(
+            model.compute_logits(got).argmax(-1), model.compute_logits(expected).argmax(-1)
+        )
 
 
 def test_logits_over_the_packed_output_embedding(fused):
@@ -141,7 +156,8 @@ def test_logits_over_the_packed_output_embedding(fused):
     assert prepared.dim() == 3 and prepared.data_ptr() != embedding.data_ptr()
     for rows in (1, 7, 40):
         hidden = torch.randn(rows, 96)
-        torch.testing.assert_close(fused.logits(hidden, prepared), REF.logits(hidden, embedding),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            fused.logits(hidden, prepared), REF.logits(hidden, embedding), rtol=1e-5, atol=1e-5
+        )
     odd = torch.randn(100, 96)  # a vocabulary of no whole panels stays as it is
     assert fused.prepare_logits(odd) is odd

@@ -31,27 +31,43 @@ def test_capture_sizes():
 def _meta(seq_lens: list[int], slots: list[int], tables: list[list[int]]) -> AttentionMetadata:
     n = len(seq_lens)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.arange(n + 1),
-        seq_lens=torch.tensor(seq_lens), block_tables=torch.tensor(tables), block_size=4,
-        num_decodes=n, max_decode_seq_len=max(seq_lens),
-        query_start_loc_host=list(range(n + 1)), seq_lens_host=list(seq_lens))
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.arange(n + 1),
+        seq_lens=torch.tensor(seq_lens),
+        block_tables=torch.tensor(tables),
+        block_size=4,
+        num_decodes=n,
+        max_decode_seq_len=max(seq_lens),
+        query_start_loc_host=list(range(n + 1)),
+        seq_lens_host=list(seq_lens),
+    )
 
 
 def test_padding_rows_touch_only_the_null_block():
     seen = []
 
     def forward(ids, positions, meta):
-        seen.append((ids.clone(), meta.slot_mapping.clone(), meta.seq_lens.clone(),
-                     meta.block_tables.clone()))
+        seen.append(
+            (
+                ids.clone(),
+                meta.slot_mapping.clone(),
+                meta.seq_lens.clone(),
+                meta.block_tables.clone(),
+            )
+        )
         hidden = ids[:, None].float() * 10 + positions[:, None]
         return hidden, hidden * 2
 
-    graphs = DecodeGraphs(forward, [2, 4], max_blocks=3, block_size=4, device=torch.device("cpu"),
-                          capture=False)
+    graphs = DecodeGraphs(
+        forward, [2, 4], max_blocks=3, block_size=4, device=torch.device("cpu"), capture=False
+    )
     assert graphs.capture_all() == 0
     # Three rows pad to four; the fourth writes slot 0 and reads one token of block 0.
-    hidden, logits = graphs.run(torch.tensor([7, 8, 9]), torch.tensor([5, 6, 1]),
-                                _meta([6, 7, 2], [21, 26, 33], [[5, 6], [6, 2], [8, 0]]))
+    hidden, logits = graphs.run(
+        torch.tensor([7, 8, 9]),
+        torch.tensor([5, 6, 1]),
+        _meta([6, 7, 2], [21, 26, 33], [[5, 6], [6, 2], [8, 0]]),
+    )
     ids, slots, lens, tables = seen[-1]
     assert ids.shape[0] == 4 and slots.tolist()[:3] == [21, 26, 33]
     assert slots[3] == 0 and lens[3] == 1 and tables[3, 0] == 0
@@ -69,16 +85,21 @@ def test_padding_rows_touch_only_the_null_block():
     mixed = _meta([3, 5], [1, 2], [[1], [2]])
     mixed.num_decodes = 1
     assert graphs.run(torch.tensor([1, 2]), torch.tensor([0, 1]), mixed) is None
-    assert graphs.run(torch.arange(5), torch.arange(5),
-                      _meta([1] * 5, [0] * 5, [[0]] * 5)) is None
+    assert graphs.run(torch.arange(5), torch.arange(5), _meta([1] * 5, [0] * 5, [[0]] * 5)) is None
 
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -91,8 +112,9 @@ def tiny_checkpoint(tmp_path_factory):
 
 def test_padded_decode_path_matches_hf_generate(tiny_checkpoint):
     path, hf = tiny_checkpoint
-    cfg = ExecutorConfig(model=path, device="cpu", block_size=BLOCK, max_num_seqs=8,
-                         max_num_batched_tokens=64)
+    cfg = ExecutorConfig(
+        model=path, device="cpu", block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=64
+    )
     runner = GPUModelRunner(cfg, load_model_geometry(path))
     runner.load_model()
     runner.initialize_kv_cache(64)
@@ -115,9 +137,14 @@ def test_padded_decode_path_matches_hf_generate(tiny_checkpoint):
     assert replays.count(True) == 17 and replays[0] is False
     for req, prompt in zip(reqs, prompts):
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=req.max_tokens,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert req.output == ref[0, len(prompt):].tolist()
+            ref = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=req.max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert req.output == ref[0, len(prompt) :].tolist()
     # Reallocating the KV cache drops the buffers bound to the old one.
     runner.initialize_kv_cache(32)
     assert runner.graphs is None

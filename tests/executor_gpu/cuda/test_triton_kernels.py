@@ -20,20 +20,24 @@ triton = pytest.importorskip("triton")
 
 
 if os.environ.get("TRITON_INTERPRET") != "1":  # conftest sets it before triton loads
-    pytest.skip("TRITON_INTERPRET=1 was not set before triton was imported",
-                allow_module_level=True)
+    pytest.skip(
+        "TRITON_INTERPRET=1 was not set before triton was imported", allow_module_level=True
+    )
 
 from executor_gpu.cuda import triton_attention as attn  # noqa: E402
 from executor_gpu.cuda import triton_layer_ops as ops  # noqa: E402
 from tests.executor_gpu.paged_cases import decode_meta, last_token_slots, mixed_meta  # noqa: E402
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [
-    (8, 2, 64, 16),  # GQA group of 4
-    (6, 2, 80, 16),  # group of 3 and a head size that is not a power of two (padded)
-    (4, 4, 32, 8),  # no grouping; a block size smaller than the tile
-    (4, 1, 16, 48),  # a block size larger than the tile, not a power of two
-])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,block_size",
+    [
+        (8, 2, 64, 16),  # GQA group of 4
+        (6, 2, 80, 16),  # group of 3 and a head size that is not a power of two (padded)
+        (4, 4, 32, 8),  # no grouping; a block size smaller than the tile
+        (4, 1, 16, 48),  # a block size larger than the tile, not a power of two
+    ],
+)
 @pytest.mark.parametrize("lens", [[1], [5, 33, 32, 70], [100, 1, 64]])
 def test_decode_attention_matches_reference(heads, kv_heads, dim, block_size, lens):
     torch.manual_seed(sum(lens) + heads)
@@ -43,10 +47,11 @@ def test_decode_attention_matches_reference(heads, kv_heads, dim, block_size, le
     # Queries as a strided view of a fused q|k|v tensor, as the model passes them.
     qkv = torch.randn(len(lens), heads + 2 * kv_heads, dim)
     q = qkv[:, :heads]
-    expected = _decode_attention(q, kv, meta, dim ** -0.5)
+    expected = _decode_attention(q, kv, meta, dim**-0.5)
     for parts in (0, 1, 4):  # as chosen for the batch (up to 8 here), one, four partitions
-        got = attn.paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, dim ** -0.5,
-                                          parts=parts)
+        got = attn.paged_decode_attention(
+            q, kv, meta.block_tables, meta.seq_lens, dim**-0.5, parts=parts
+        )
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -66,8 +71,9 @@ def test_decode_attention_stores_the_new_tokens_first():
     expected = _decode_attention(q, expected_cache, meta, 0.3)
     for parts in (1, 2, 8):  # the new token is in the last partition that has any
         cache = kv.clone()
-        got = attn.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, 0.3, k, v,
-                                          slots, parts=parts)
+        got = attn.paged_decode_attention(
+            q, cache, meta.block_tables, meta.seq_lens, 0.3, k, v, slots, parts=parts
+        )
         torch.testing.assert_close(cache, expected_cache, rtol=0, atol=0)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -85,14 +91,15 @@ def test_decode_attention_ignores_unread_slots():
     torch.manual_seed(1)
     kv = torch.randn(2, 16, 4, 2, 32)
     meta = decode_meta([6, 9], 4, 16, seed=2)
-    clean = attn.paged_decode_attention(torch.randn(2, 4, 32), kv, meta.block_tables,
-                                        meta.seq_lens, 0.2)
+    clean = attn.paged_decode_attention(
+        torch.randn(2, 4, 32), kv, meta.block_tables, meta.seq_lens, 0.2
+    )
     q = torch.randn(2, 4, 32)
     ref = attn.paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.2)
     poisoned = kv.clone()
     for i, n in enumerate([6, 9]):
         last = meta.block_tables[i, (n - 1) // 4]
-        poisoned[:, last, n % 4 or 4:] = float("nan")
+        poisoned[:, last, n % 4 or 4 :] = float("nan")
     poisoned[:, 0] = float("nan")  # the padding columns point at block 0
     got = attn.paged_decode_attention(q, poisoned, meta.block_tables, meta.seq_lens, 0.2)
     assert clean.isfinite().all()
@@ -120,13 +127,13 @@ def test_backend_writes_kv_and_mixes_prefills():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norms_match_reference(dtype):
     torch.manual_seed(4)
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2,
-                                                                        "atol": 2e-2}
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     for hidden in (64, 96):
         x = (torch.randn(5, hidden) * 3).to(dtype)
         w = torch.randn(hidden).to(dtype)
-        torch.testing.assert_close(ops.rms_norm(x, w, 1e-5),
-                                   TORCH_LAYER_OPS.rms_norm(x, w, 1e-5), **tol)
+        torch.testing.assert_close(
+            ops.rms_norm(x, w, 1e-5), TORCH_LAYER_OPS.rms_norm(x, w, 1e-5), **tol
+        )
         res = torch.randn(5, hidden).to(dtype)
         res_ref = res.clone()
         got = ops.add_rms_norm(x, res, w, 1e-6)
@@ -148,12 +155,12 @@ def test_rotary_in_place_matches_reference(dtype):
     positions = torch.tensor([0, 5, 127, 64, 3])
     qkv = torch.randn(5, 6 + 2 * 2, 32).to(dtype)  # 6 query, 2 key, 2 value heads
     expected = TORCH_LAYER_OPS.rotary(
-        qkv, 8, TORCH_LAYER_OPS.rope_for_step(rope.cos_sin, positions, dtype))
+        qkv, 8, TORCH_LAYER_OPS.rope_for_step(rope.cos_sin, positions, dtype)
+    )
     untouched = qkv[:, 8:].clone()
     got = ops.rotary(qkv, 8, ops.rope_for_step(rope.cos_sin, positions, dtype))
     assert got.data_ptr() == qkv.data_ptr()  # in place, a view of the first 8 heads
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2,
-                                                                        "atol": 2e-2}
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(got, expected, **tol)
     torch.testing.assert_close(qkv[:, 8:], untouched, rtol=0, atol=0)  # values left alone
 
@@ -161,12 +168,10 @@ def test_rotary_in_place_matches_reference(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_matches_reference(dtype):
     torch.manual_seed(6)
-    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2,
-                                                                        "atol": 1e-2}
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     for inter in (48, 1500):  # one partial block; several blocks per row
         x = (torch.randn(3, 2 * inter) * 4).to(dtype)
         torch.testing.assert_close(ops.silu_and_mul(x), TORCH_LAYER_OPS.silu_and_mul(x), **tol)
-
 
 
 def test_kernels_compile_for_sm90():
@@ -177,7 +182,8 @@ def test_kernels_compile_for_sm90():
 
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     script = os.path.join(os.path.dirname(__file__), "triton_compile_check.py")
-    run = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run(
+        [sys.executable, script], env=env, capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "all kernels compiled" in run.stdout

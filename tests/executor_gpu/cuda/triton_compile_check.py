@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))))
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+)
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -41,32 +42,70 @@ def _compile(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4
 
 def main() -> None:
     for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
-        ptrs = {n: f"*{dtype}" for n in ("out_ptr", "q_ptr", "cache_ptr", "k_new_ptr",
-                                          "v_new_ptr")}
-        ptrs.update(tables_ptr="*i64", seq_lens_ptr="*i64", slots_ptr="*i64", scale="fp32",
-                    part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32")
-        for store, parts, head_dim in ((False, 1, 128), (True, 1, 128), (True, 8, 128),
-                                       (True, 1, 64), (True, 1, 80), (True, 1, 256)):
-            kernel = _compile(triton_attention._paged_decode_kernel, ptrs, dict(
-                GROUP=4, GROUP_PAD=16, HEAD_DIM=head_dim,
-                DIM_PAD=triton.next_power_of_2(head_dim),
-                TILE_TOKENS=triton_attention.tile_for(triton.next_power_of_2(head_dim),
-                                                      2 if dtype == "bf16" else 4),
-                PRECISION=precision, STORE_KV=store, PARTS=parts))
+        ptrs = {n: f"*{dtype}" for n in ("out_ptr", "q_ptr", "cache_ptr", "k_new_ptr", "v_new_ptr")}
+        ptrs.update(
+            tables_ptr="*i64",
+            seq_lens_ptr="*i64",
+            slots_ptr="*i64",
+            scale="fp32",
+            part_m_ptr="*fp32",
+            part_l_ptr="*fp32",
+            part_acc_ptr="*fp32",
+        )
+        for store, parts, head_dim in (
+            (False, 1, 128),
+            (True, 1, 128),
+            (True, 8, 128),
+            (True, 1, 64),
+            (True, 1, 80),
+            (True, 1, 256),
+        ):
+            kernel = _compile(
+                triton_attention._paged_decode_kernel,
+                ptrs,
+                dict(
+                    GROUP=4,
+                    GROUP_PAD=16,
+                    HEAD_DIM=head_dim,
+                    DIM_PAD=triton.next_power_of_2(head_dim),
+                    TILE_TOKENS=triton_attention.tile_for(
+                        triton.next_power_of_2(head_dim), 2 if dtype == "bf16" else 4
+                    ),
+                    PRECISION=precision,
+                    STORE_KV=store,
+                    PARTS=parts,
+                ),
+            )
             # Within the shared memory a block may have on an H100/H200 (227 KiB).
             assert kernel.metadata.shared <= 227 * 1024, (head_dim, kernel.metadata.shared)
-        _compile(triton_attention._combine_parts_kernel,
-                 {"out_ptr": f"*{dtype}", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
-                  "part_acc_ptr": "*fp32"}, dict(HEAD_DIM=128, DIM_PAD=128, PARTS=8))
+        _compile(
+            triton_attention._combine_parts_kernel,
+            {
+                "out_ptr": f"*{dtype}",
+                "part_m_ptr": "*fp32",
+                "part_l_ptr": "*fp32",
+                "part_acc_ptr": "*fp32",
+            },
+            dict(HEAD_DIM=128, DIM_PAD=128, PARTS=8),
+        )
         for residual in (False, True):
-            _compile(triton_layer_ops._rms_norm_kernel,
-                     {n: f"*{dtype}" for n in ("out_ptr", "x_ptr", "res_ptr", "w_ptr")}
-                     | {"eps": "fp32"}, dict(HAS_RESIDUAL=residual, BLOCK=4096), num_warps=16)
-        _compile(triton_layer_ops._rotary_kernel,
-                 {"x_ptr": f"*{dtype}", "table_ptr": "*fp32", "pos_ptr": "*i64"},
-                 dict(HALF=64, HALF_PAD=64, HEADS_PAD=64))
-        _compile(triton_layer_ops._silu_and_mul_kernel,
-                 {"out_ptr": f"*{dtype}", "x_ptr": f"*{dtype}"}, dict(BLOCK=1024))
+            _compile(
+                triton_layer_ops._rms_norm_kernel,
+                {n: f"*{dtype}" for n in ("out_ptr", "x_ptr", "res_ptr", "w_ptr")}
+                | {"eps": "fp32"},
+                dict(HAS_RESIDUAL=residual, BLOCK=4096),
+                num_warps=16,
+            )
+        _compile(
+            triton_layer_ops._rotary_kernel,
+            {"x_ptr": f"*{dtype}", "table_ptr": "*fp32", "pos_ptr": "*i64"},
+            dict(HALF=64, HALF_PAD=64, HEADS_PAD=64),
+        )
+        _compile(
+            triton_layer_ops._silu_and_mul_kernel,
+            {"out_ptr": f"*{dtype}", "x_ptr": f"*{dtype}"},
+            dict(BLOCK=1024),
+        )
     print("all kernels compiled for sm_90")
 
 
