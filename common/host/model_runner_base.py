@@ -52,6 +52,15 @@ class ModelRunnerBase(abc.ABC):
     def reset(self) -> None:
         """Forget every request (a new controller session starts)."""
 
+    def set_seed(self, seed: int) -> None:
+        """Reset the global random state of the device's framework (after warm-up)."""
+
+    def start_profile(self) -> None:
+        """Start the framework's profiler (no-op where there is none)."""
+
+    def stop_profile(self, trace_path: str) -> None:
+        """Stop the profiler started by ``start_profile`` and write its trace to trace_path."""
+
     @abc.abstractmethod
     def load_model(self) -> None:
         """Load the weights onto the device and set self.model."""

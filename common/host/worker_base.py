@@ -32,7 +32,6 @@ class WorkerBase(abc.ABC):
         self.device_name = "unbound"  # set by init_device()
         self.model_runner: ModelRunnerBase | None = None  # set by init_device()
         self.cache_initialized = False  # True after initialize_cache()
-        self._profiler = None  # torch profiler while profile(True) is active
         self._model_max_len = 0  # the checkpoint's own max length, before configure()
         self.metrics = ExecutorMetrics(self)  # step and memory metrics (the metrics port)
 
@@ -56,11 +55,9 @@ class WorkerBase(abc.ABC):
 
     def compile_or_warm_up_model(self) -> int:
         """Capture graphs / precompile unless enforce_eager, then reset the seed."""
-        import torch
-
         assert self.model_runner is not None
         made = 0 if self.config.enforce_eager else self.model_runner.capture_model()
-        torch.manual_seed(self.config.seed)
+        self.model_runner.set_seed(self.config.seed)
         return made
 
     def get_model(self):
@@ -115,16 +112,12 @@ class WorkerBase(abc.ABC):
             self.model_runner.reset()
 
     def profile(self, is_start: bool = True, trace_dir: str = "/tmp/tandem-trace") -> None:
-        """Start or stop the torch profiler; on stop, export a Chrome trace."""
-        import torch
-
+        """Start or stop the runner's profiler; on stop, it writes a trace under ``trace_dir``."""
+        assert self.model_runner is not None
         if is_start:
-            self._profiler = torch.profiler.profile(with_stack=False)
-            self._profiler.__enter__()
-        elif self._profiler is not None:
-            self._profiler.__exit__(None, None, None)
-            self._profiler.export_chrome_trace(f"{trace_dir}-{self.incarnation_id}.json")
-            self._profiler = None
+            self.model_runner.start_profile()
+        else:
+            self.model_runner.stop_profile(f"{trace_dir}-{self.incarnation_id}.json")
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes by kind for the memory metric: weights, kv_cache, and (subclasses) the

@@ -110,6 +110,7 @@ class TorchModelRunner(ModelRunnerBase):
             config.block_size, geometry.vocab_size, geometry.max_model_len, batch_device or device
         )
         self.weights_bytes = 0  # set by load_model()
+        self._profiler: torch.profiler.profile | None = None  # while start_profile() is active
 
     # --- hooks ----------------------------------------------------------------------------
 
@@ -162,6 +163,22 @@ class TorchModelRunner(ModelRunnerBase):
     def reset(self) -> None:
         """Forget every request."""
         self.input_batch.clear()
+
+    def set_seed(self, seed: int) -> None:
+        """torch's global seed."""
+        torch.manual_seed(seed)
+
+    def start_profile(self) -> None:
+        """Start torch's profiler."""
+        self._profiler = torch.profiler.profile(with_stack=False)
+        self._profiler.__enter__()
+
+    def stop_profile(self, trace_path: str) -> None:
+        """Stop torch's profiler and export a Chrome trace."""
+        if self._profiler is not None:
+            self._profiler.__exit__(None, None, None)
+            self._profiler.export_chrome_trace(trace_path)
+            self._profiler = None
 
     # --- steps ----------------------------------------------------------------------------
 
