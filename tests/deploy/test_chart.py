@@ -459,7 +459,7 @@ def test_tpu_pool(rendered):
     assert env_of(c)["PJRT_DEVICE"] == "TPU"
     assert volume(sts, "xla-cache")["persistentVolumeClaim"] == {"claimName": "xla-cache"}
     assert mount(c, "xla-cache")["mountPath"] == "/var/cache/tandem/xla"
-    assert c["args"][-2:] == ["--xla-cache-dir", "/var/cache/tandem/xla"]
+    assert c["args"][-2:] == ["--compile-cache-dir", "/var/cache/tandem/xla"]
     assert "runtimeClassName" not in pod
     assert "nvidia.com/gpu" not in json.dumps(sts)
     assert "--gpu-memory-utilization" not in c["args"]
