@@ -1,0 +1,66 @@
+"""Operations routes: health, the fleet's state, Prometheus metrics, version."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from controller.api.admission import Admission
+from controller.fleet.engine import Engine
+
+VERSION = "0.1.0"
+# What /health shows per executor (the admin endpoint shows everything).
+_HEALTH_FIELDS = (
+    "address",
+    "state",
+    "healthy",
+    "kind",
+    "incarnation",
+    "running",
+    "waiting",
+    "kv_usage",
+    "used_blocks",
+)
+
+
+def ops_router(engine: Engine, admission: Admission) -> APIRouter:
+    """/health, /admin/executors, /metrics and /version."""
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health():
+        states = engine.executors_state()
+        ok = engine.healthy and not admission.draining
+        status = "draining" if admission.draining else "ok" if ok else "unavailable"
+        state = {
+            "status": status,
+            "healthy_executors": sum(e["healthy"] for e in states),
+            "executors": [{k: e[k] for k in _HEALTH_FIELDS} for e in states],
+        }
+        return JSONResponse(state, status_code=200 if ok else 503)
+
+    @router.get("/admin/executors")
+    async def executors():
+        return {
+            "executors": engine.executors_state(),
+            "requests_waiting_for_executor": len(engine.waiting),
+            "summary": engine.fleet_summary(),
+            "admission": {
+                "active_responses": admission.active,
+                "queued_requests": admission.queued_requests,
+                "queued_tokens": admission.queued_tokens,
+                "rejected": admission.rejected,
+                "draining": admission.draining,
+            },
+        }
+
+    @router.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @router.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    return router
