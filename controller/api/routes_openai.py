@@ -4,30 +4,27 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter, Request
+from fastapi import FastAPI, Request
 
 from controller.api.protocol import ChatCompletionRequest, CompletionRequest
 from controller.api.serving import OpenAIServing
 from controller.fleet.engine import Engine
 
 
-def openai_router(engine: Engine, serving: OpenAIServing) -> APIRouter:
+def add_openai_routes(app: FastAPI, engine: Engine, serving: OpenAIServing) -> None:
     """/v1/completions, /v1/chat/completions and /v1/models."""
-    router = APIRouter()
 
-    @router.post("/v1/completions")
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await serving.completions(body, request)
 
-    @router.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request)
 
-    @router.get("/v1/models")
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [_model_card(engine, serving.model_name)]}
-
-    return router
 
 
 def _model_card(engine: Engine, model_name: str) -> dict:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -24,11 +24,10 @@ _HEALTH_FIELDS = (
 )
 
 
-def ops_router(engine: Engine, admission: Admission) -> APIRouter:
+def add_ops_routes(app: FastAPI, engine: Engine, admission: Admission) -> None:
     """/health, /admin/executors, /metrics and /version."""
-    router = APIRouter()
 
-    @router.get("/health")
+    @app.get("/health")
     async def health():
         states = engine.executors_state()
         ok = engine.healthy and not admission.draining
@@ -40,7 +39,7 @@ def ops_router(engine: Engine, admission: Admission) -> APIRouter:
         }
         return JSONResponse(state, status_code=200 if ok else 503)
 
-    @router.get("/admin/executors")
+    @app.get("/admin/executors")
     async def executors():
         return {
             "executors": engine.executors_state(),
@@ -55,12 +54,10 @@ def ops_router(engine: Engine, admission: Admission) -> APIRouter:
             },
         }
 
-    @router.get("/metrics")
+    @app.get("/metrics")
     async def metrics():
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @router.get("/version")
+    @app.get("/version")
     async def version():
         return {"version": VERSION}
-
-    return router

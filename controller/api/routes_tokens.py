@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import FastAPI
 
 from controller.api.errors import APIError
 from controller.api.protocol import DetokenizeRequest, TokenizeRequest
@@ -10,11 +10,10 @@ from controller.api.serving import OpenAIServing
 from controller.fleet.engine import Engine
 
 
-def tokens_router(engine: Engine, serving: OpenAIServing) -> APIRouter:
+def add_tokens_routes(app: FastAPI, engine: Engine, serving: OpenAIServing) -> None:
     """/tokenize (a prompt or chat messages) and /detokenize (token ids)."""
-    router = APIRouter()
 
-    @router.post("/tokenize")
+    @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -28,10 +27,8 @@ def tokens_router(engine: Engine, serving: OpenAIServing) -> APIRouter:
             ids = serving.encode(body.prompt, "prompt", body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
-    @router.post("/detokenize")
+    @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         serving.check_model(body.model)
         serving._check_ids(body.tokens, "tokens")
         return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
-
-    return router

@@ -10,9 +10,9 @@ from controller.api.auth import DEFAULT_EXEMPT_PATHS, APIKeyAuth
 from controller.api.error_handlers import install_error_handlers
 from controller.api.limits import BodySizeLimit
 from controller.api.request_ids import RequestIdMiddleware
-from controller.api.routes_openai import openai_router
-from controller.api.routes_ops import VERSION, ops_router
-from controller.api.routes_tokens import tokens_router
+from controller.api.routes_openai import add_openai_routes
+from controller.api.routes_ops import VERSION, add_ops_routes
+from controller.api.routes_tokens import add_tokens_routes
 from controller.api.serving import OpenAIServing
 from controller.fleet.engine import Engine
 
@@ -33,9 +33,9 @@ def create_app(engine: Engine, serving: OpenAIServing, start_engine: bool = True
     app = FastAPI(title="Tandem", version=VERSION, lifespan=lifespan)
     _add_middleware(app, engine.config)
     install_error_handlers(app)
-    app.include_router(openai_router(engine, serving))
-    app.include_router(ops_router(engine, serving.admission))
-    app.include_router(tokens_router(engine, serving))
+    add_openai_routes(app, engine, serving)
+    add_ops_routes(app, engine, serving.admission)
+    add_tokens_routes(app, engine, serving)
     return app
 
 

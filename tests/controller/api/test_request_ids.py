@@ -315,3 +315,27 @@ def test_log_lines_of_the_request_carry_its_id():
     assert by_message["admitted: 1 sequences, 5 prompt tokens"] == "logged"
     assert by_message["unhandled error on /v1/completions"] == "logged"  # outside middleware
     assert by_message["outside any request"] is None
+
+
+def test_routes_and_middleware_order():
+    app = make_app(FakeEngine())
+    routes = [
+        (method, route.path)
+        for route in app.routes
+        for method in sorted(route.methods or ())
+        if route.path not in ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
+    ]
+    assert routes == [
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
+        ("GET", "/health"),
+        ("GET", "/admin/executors"),
+        ("GET", "/metrics"),
+        ("GET", "/version"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+    ]
+    # Outermost first: the request id, then the keys, then the body bound.
+    names = [m.cls.__name__ for m in app.user_middleware]
+    assert names == ["RequestIdMiddleware", "APIKeyAuth", "BodySizeLimit"]
