@@ -7,9 +7,11 @@ header is absent. It returns the id in the X-Request-Id header of every response
 the inner middlewares and handlers included), binds it to the logging context for the
 request's task (common.logs), and hands the handlers a `RequestIds` in the ASGI scope.
 
-Response ids (``cmpl-<id>``) and sequence ids (common.wire.request_ids) derive from
-`RequestIds.unique`: the id itself, or ``<id>~<k>`` while another response with the same id
-is in flight, so that two clients sending the same id never share a sequence id.
+Response ids are ``cmpl-<id>`` / ``chatcmpl-<id>``. Sequence ids (common.wire.request_ids)
+derive from `RequestIds.unique`: a generated id as is, a client's id as ``<id>~<k>`` with a
+serial k of this process. A client may send the same id twice at once, or again right after
+an abort, while steps of the first request are still in flight; the scheduler, the fleet and
+the executor key a sequence's state and results by its id, so a sequence id is never reused.
 """
 
 from __future__ import annotations
@@ -20,23 +22,25 @@ import uuid
 from dataclasses import dataclass
 
 from common.logs import bound_request_id
-from common.wire.request_ids import CLASH_MARK
+from common.wire.request_ids import SERIAL_MARK
 from controller.api.errors import APIError, error_response
 
 HEADER = "X-Request-Id"
 MAX_LENGTH = 128
-# Characters that need no quoting in headers, URLs or log lines (no CLASH_MARK among them).
+# Characters that need no quoting in headers, URLs or log lines (no SERIAL_MARK among them).
 _VALID = re.compile(rf"[A-Za-z0-9._:/+=-]{{1,{MAX_LENGTH}}}")
 _HEADER_KEY = HEADER.lower().encode("ascii")
 SCOPE_KEY = "tandem.request_ids"  # where handlers find the RequestIds in the ASGI scope
+# Makes clients' ids unique (they may repeat); one per process, whatever the apps.
+_SERIAL = itertools.count(1)
 
 
 @dataclass(frozen=True)
 class RequestIds:
     """The ids of one HTTP request."""
 
-    public: str  # returned in X-Request-Id and on log records: the client's or a generated one
-    unique: str  # `public`, or `public~k` while another response has it; ids derive from it
+    public: str  # the client's id or a generated one: X-Request-Id, response ids, log records
+    unique: str  # never reused in this process: sequence ids derive from it
 
 
 def new_request_id() -> str:
@@ -69,33 +73,12 @@ def _client_id(scope: dict) -> tuple[str | None, str]:
     return value, ""
 
 
-class InFlightIds:
-    """Request ids of the responses in flight, to rename a clash."""
-
-    def __init__(self) -> None:
-        self._count: dict[str, int] = {}  # public id -> responses in flight under it
-        self._serial = itertools.count(1)  # suffixes: never reused, so never clash
-
-    def claim(self, public: str) -> str:
-        """The unique id of a new response under ``public``."""
-        held = self._count.get(public, 0)
-        self._count[public] = held + 1
-        return public if not held else f"{public}{CLASH_MARK}{next(self._serial)}"
-
-    def release(self, public: str) -> None:
-        """A response under ``public`` is over."""
-        held = self._count.pop(public, 1) - 1
-        if held:
-            self._count[public] = held
-
-
 class RequestIdMiddleware:
     """ASGI middleware: validates or generates the request id, returns it on every response,
     and binds it to the logging context while the request is served."""
 
     def __init__(self, app):
         self.app = app  # the wrapped ASGI app
-        self.in_flight = InFlightIds()  # ids of the responses being served
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -115,8 +98,6 @@ class RequestIdMiddleware:
                 err = APIError(problem, 400, HEADER, "invalid_request_id")
                 await error_response(err)(scope, receive, send_with_id)
                 return
-            scope[SCOPE_KEY] = RequestIds(public, self.in_flight.claim(public))
-            try:
-                await self.app(scope, receive, send_with_id)
-            finally:
-                self.in_flight.release(public)
+            unique = f"{given}{SERIAL_MARK}{next(_SERIAL)}" if given else public
+            scope[SCOPE_KEY] = RequestIds(public, unique)
+            await self.app(scope, receive, send_with_id)

@@ -308,9 +308,11 @@ class OpenAIServing:
         await self.wait_for_executor()
         prompts = self._completion_prompts(req)
         prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
-        rid = request_ids(http.scope).unique
-        gens = self._generation_requests(req, prompts, req.max_tokens, req.logprobs, prompt_lp, rid)
-        meta = formats.ResponseMeta(f"cmpl-{rid}", int(time.time()), self.model_name)
+        ids = request_ids(http.scope)
+        gens = self._generation_requests(
+            req, prompts, req.max_tokens, req.logprobs, prompt_lp, ids.unique
+        )
+        meta = formats.ResponseMeta(f"cmpl-{ids.public}", int(time.time()), self.model_name)
         fmt = formats.CompletionFormatter(
             self.tokenizer, meta, prompts, req.n, req.echo, req.logprobs, req.return_token_ids
         )
@@ -342,9 +344,9 @@ class OpenAIServing:
         prompt = Prompt(self.encode(text, "messages", add_special_tokens=False), text)
         logprobs = (top or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        rid = request_ids(http.scope).unique
-        gens = self._generation_requests(req, [prompt], max_tokens, logprobs, None, rid)
-        meta = formats.ResponseMeta(f"chatcmpl-{rid}", int(time.time()), self.model_name)
+        ids = request_ids(http.scope)
+        gens = self._generation_requests(req, [prompt], max_tokens, logprobs, None, ids.unique)
+        meta = formats.ResponseMeta(f"chatcmpl-{ids.public}", int(time.time()), self.model_name)
         fmt = formats.ChatFormatter(
             self.tokenizer, meta, prompt, req.logprobs, req.return_token_ids
         )

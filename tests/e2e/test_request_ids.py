@@ -44,7 +44,7 @@ def _logger(line: str) -> str:
 
 
 def _about(lines: list[str], rid: str) -> list[str]:
-    """Lines that name one of the request's sequences (renamed ``<id>~<k>`` on a clash)."""
+    """Lines that name one of the request's sequences (``<id>~<serial>-<prompt>-<choice>``)."""
     sequence = re.compile(re.escape(rid) + r"(~\d+)?-\d+-\d+")
     return [line for line in lines if sequence.search(line)]
 
@@ -194,6 +194,10 @@ def test_concurrent_requests_with_the_same_id(traced):
     assert [r.headers["x-request-id"] for r in raws] == ["e2e-same", "e2e-same"]
     bodies = [r.parse() for r in raws]
     assert [b.choices[0].text for b in bodies] == alone
-    assert bodies[0].id != bodies[1].id
-    assert all(b.id.startswith("cmpl-e2e-same") for b in bodies)
+    assert [b.id for b in bodies] == ["cmpl-e2e-same", "cmpl-e2e-same"]
     _check_logs(traced, "e2e-same")
+    arrivals = [
+        line for line in _about(_log(traced, "executor0"), "e2e-same") if " arrives " in line
+    ]
+    sequences = {re.search(r"request (\S+) arrives", line)[1] for line in arrivals}
+    assert len(arrivals) == len(sequences) == 2, arrivals

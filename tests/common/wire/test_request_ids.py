@@ -16,7 +16,7 @@ def test_round_trip(request_id):
         seq = sequence_id(request_id, p, c)
         assert request_id in seq
         assert request_id_of(seq) == request_id
-        renamed = sequence_id(f"{request_id}~4", p, c)  # a clash renamed by the API
+        renamed = sequence_id(f"{request_id}~4", p, c)  # a client's id with its serial
         assert request_id_of(renamed) == request_id
 
 

@@ -16,12 +16,21 @@ from prometheus_client import CollectorRegistry
 
 from common import logs
 from controller.api.admission import Admission, AdmissionLimits
-from controller.api.request_ids import InFlightIds
 from controller.api.server import create_app
 from controller.api.serving import OpenAIServing
 from controller.core.outputs import OutputDelta
 
 HEX_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def serials(seen: list[str], rid: str) -> list[tuple[int, str]]:
+    """(serial, prompt-choice) of sequence ids ``<rid>~<serial>-<p>-<c>``, asserting the shape."""
+    shape = re.compile(re.escape(rid) + r"~(\d+)-(\d+-\d+)")
+    matches = [shape.fullmatch(s) for s in seen]
+    assert all(matches), seen
+    return [(int(m[1]), m[2]) for m in matches]
+
+
 engine_log = logging.getLogger("tests.fake_engine")
 
 
@@ -108,6 +117,7 @@ def _sse_bodies(text: str) -> list[dict]:
 
 
 def test_client_id_comes_back_in_header_body_and_sequence_ids():
+    """The client's id is the response's; sequence ids add a serial (ids may repeat)."""
     engine = FakeEngine()
 
     async def main():
@@ -126,7 +136,8 @@ def test_client_id_comes_back_in_header_body_and_sequence_ids():
             assert {b["id"] for b in _sse_bodies(r.text)} == {"chatcmpl-my-id.1"}
 
     run(main())
-    assert engine.seen == ["my-id.1-0-0", "my-id.1-0-1", "my-id.1-0-0", "my-id.1-0-0"]
+    (a, p0), (b, p1), (c, p2), (d, p3) = serials(engine.seen, "my-id.1")
+    assert a == b < c < d and [p0, p1, p2, p3] == ["0-0", "0-1", "0-0", "0-0"]
 
 
 def test_generated_id_when_absent():
@@ -246,7 +257,7 @@ def test_queue_full_429_carries_the_id():
     run(main())
 
 
-def test_concurrent_requests_with_the_same_id_stay_distinct():
+def test_requests_with_the_same_id_get_distinct_sequence_ids():
     engine = FakeEngine()
     engine.release.clear()
 
@@ -262,29 +273,18 @@ def test_concurrent_requests_with_the_same_id_stay_distinct():
             while len(engine.seen) < 3:
                 await asyncio.sleep(0.01)
             engine.release.set()
-            return await asyncio.gather(*tasks)
+            done = await asyncio.gather(*tasks)
+            # Again, after both are over: sequence ids are never reused.
+            await http.post("/v1/completions", json=COMPLETION, headers=headers)
+            return done
 
     first, second = run(main())
-    assert len(set(engine.seen)) == 3 and all(s.startswith("same") for s in engine.seen)
+    assert len(set(engine.seen)) == 4
+    assert sorted(p for _, p in serials(engine.seen, "same")) == ["0-0", "0-0", "0-0", "0-1"]
     assert first.headers["x-request-id"] == second.headers["x-request-id"] == "same"
-    assert first.json()["id"] != second.json()["id"]
-    assert {first.json()["id"], second.json()["id"]} & {"cmpl-same", "chatcmpl-same"}
+    assert first.json()["id"] == "cmpl-same" and second.json()["id"] == "chatcmpl-same"
+    assert first.json()["choices"][0]["text"] == "ok"
     assert [c["message"]["content"] for c in second.json()["choices"]] == ["ok", "ok"]
-
-
-def test_in_flight_ids():
-    ids = InFlightIds()
-    assert ids.claim("a") == "a"
-    b, c = ids.claim("a"), ids.claim("a")
-    assert len({"a", b, c}) == 3 and b.startswith("a~") and c.startswith("a~")
-    ids.release("a")
-    ids.release("a")
-    assert ids.claim("a") not in {"a", b, c}  # one still holds "a"'s count
-    ids.release("a")
-    ids.release("a")
-    assert ids.claim("a") == "a"
-    ids.release("a")
-    assert ids._count == {}
 
 
 def test_log_lines_of_the_request_carry_its_id():
@@ -311,7 +311,8 @@ def test_log_lines_of_the_request_carry_its_id():
     records = [json.loads(line) for line in buf.getvalue().splitlines()]
     mine = [r for r in records if r["logger"].startswith(("tests.", "controller."))]
     by_message = {r["message"]: r.get("request_id") for r in mine}
-    assert by_message["generating logged-0-0"] == "logged"  # the engine's task
+    generating = [r for r in mine if r["message"].startswith("generating logged~")]
+    assert len(generating) == 2 and all(r["request_id"] == "logged" for r in generating)
     assert by_message["admitted: 1 sequences, 5 prompt tokens"] == "logged"
     assert by_message["unhandled error on /v1/completions"] == "logged"  # outside middleware
     assert by_message["outside any request"] is None
