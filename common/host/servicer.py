@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from common.host.request_log import log_failed_requests, log_step_requests
 from common.host.worker_base import WorkerBase
 from common.wire import convert
 from common.wire.pb import executor_pb2 as pb
@@ -142,6 +143,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             if replaced:
                 log.warning("session %d: step stream %d ends: %s", session, stream, replaced)
                 raise _StepAborted(grpc.StatusCode.ABORTED, replaced)
+            log_step_requests(step)
             try:
                 output = self.worker.execute_model(step)
             except Exception as exc:  # the whole step failed: the controller retries
@@ -151,6 +153,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 ) from exc
         if not output.device_seconds:
             output.device_seconds = time.perf_counter() - started
+        log_failed_requests(output)
         return output
 
 

@@ -5,23 +5,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from common.wire.request_ids import sequence_id
 from common.wire.step_types import SamplingParams
 from controller.api import formats
 from controller.api.admission import ABORT, Admission, AdmissionLimits, AdmissionRejected, Ticket
 from controller.api.errors import APIError
 from controller.api.formats import Choice, Prompt
 from controller.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from controller.api.request_ids import request_ids
 from controller.core.outputs import GenerationRequest, OutputDelta
 from controller.fleet.engine import Engine, NoExecutorError
 from controller.text.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
 # Template inputs the server sets itself; chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_VARS = frozenset(
     {"messages", "add_generation_prompt", "tools", "documents", "chat_template"}
@@ -58,11 +61,14 @@ class OpenAIServing:
 
     def _admit(self, gens: list[GenerationRequest]) -> Ticket:
         """Admit a response's sequences, or raise the APIError that refuses it."""
+        prompt_tokens = [len(g.prompt_token_ids) for g in gens]
         try:
-            return self.admission.admit([len(g.prompt_token_ids) for g in gens])
+            ticket = self.admission.admit(prompt_tokens)
         except AdmissionRejected as exc:
             headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
             raise APIError(exc.message, exc.status, code=exc.code, headers=headers) from None
+        log.debug("admitted: %d sequences, %d prompt tokens", len(gens), sum(prompt_tokens))
+        return ticket
 
     async def wait_for_executor(self) -> None:
         """Hold the request until some executor is healthy; 503 after the fleet's timeout."""
@@ -158,13 +164,14 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_lp: int | None,
+        base: str,
     ) -> list[GenerationRequest]:
+        """The sequences of a request whose unique id is ``base``, prompt after prompt."""
         if getattr(req, "logit_bias", None):
             raise APIError("logit_bias is not supported", 400, "logit_bias")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         stop_ids = list(req.stop_token_ids or [])
         self._check_ids(stop_ids, "stop_token_ids")
-        base = uuid.uuid4().hex
         gens = []
         # Ids that end a request; the executor never samples them before min_tokens.
         ending = stop_ids + ([] if req.ignore_eos else list(self.engine.eos_token_ids))
@@ -178,7 +185,7 @@ class OpenAIServing:
                     sampling.min_tokens, sampling.stop_token_ids = min_tokens, ending
                 gens.append(
                     GenerationRequest(
-                        request_id=f"{base}-{p_index}-{j}",
+                        request_id=sequence_id(base, p_index, j),
                         prompt_token_ids=prompt.token_ids,
                         sampling=sampling,
                         max_tokens=limit,
@@ -301,8 +308,11 @@ class OpenAIServing:
         await self.wait_for_executor()
         prompts = self._completion_prompts(req)
         prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
-        gens = self._generation_requests(req, prompts, req.max_tokens, req.logprobs, prompt_lp)
-        meta = formats.ResponseMeta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name)
+        ids = request_ids(http.scope)
+        gens = self._generation_requests(
+            req, prompts, req.max_tokens, req.logprobs, prompt_lp, ids.unique
+        )
+        meta = formats.ResponseMeta(f"cmpl-{ids.public}", int(time.time()), self.model_name)
         fmt = formats.CompletionFormatter(
             self.tokenizer, meta, prompts, req.n, req.echo, req.logprobs, req.return_token_ids
         )
@@ -334,10 +344,9 @@ class OpenAIServing:
         prompt = Prompt(self.encode(text, "messages", add_special_tokens=False), text)
         logprobs = (top or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens or req.max_tokens
-        gens = self._generation_requests(req, [prompt], max_tokens, logprobs, None)
-        meta = formats.ResponseMeta(
-            f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name
-        )
+        ids = request_ids(http.scope)
+        gens = self._generation_requests(req, [prompt], max_tokens, logprobs, None, ids.unique)
+        meta = formats.ResponseMeta(f"chatcmpl-{ids.public}", int(time.time()), self.model_name)
         fmt = formats.ChatFormatter(
             self.tokenizer, meta, prompt, req.logprobs, req.return_token_ids
         )

@@ -1,0 +1,63 @@
+"""Operations routes: health, the fleet's state, Prometheus metrics, version."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from controller.api.admission import Admission
+from controller.fleet.engine import Engine
+
+VERSION = "0.1.0"
+# What /health shows per executor (the admin endpoint shows everything).
+_HEALTH_FIELDS = (
+    "address",
+    "state",
+    "healthy",
+    "kind",
+    "incarnation",
+    "running",
+    "waiting",
+    "kv_usage",
+    "used_blocks",
+)
+
+
+def add_ops_routes(app: FastAPI, engine: Engine, admission: Admission) -> None:
+    """/health, /admin/executors, /metrics and /version."""
+
+    @app.get("/health")
+    async def health():
+        states = engine.executors_state()
+        ok = engine.healthy and not admission.draining
+        status = "draining" if admission.draining else "ok" if ok else "unavailable"
+        state = {
+            "status": status,
+            "healthy_executors": sum(e["healthy"] for e in states),
+            "executors": [{k: e[k] for k in _HEALTH_FIELDS} for e in states],
+        }
+        return JSONResponse(state, status_code=200 if ok else 503)
+
+    @app.get("/admin/executors")
+    async def executors():
+        return {
+            "executors": engine.executors_state(),
+            "requests_waiting_for_executor": len(engine.waiting),
+            "summary": engine.fleet_summary(),
+            "admission": {
+                "active_responses": admission.active,
+                "queued_requests": admission.queued_requests,
+                "queued_tokens": admission.queued_tokens,
+                "rejected": admission.rejected,
+                "draining": admission.draining,
+            },
+        }
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
