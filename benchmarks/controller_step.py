@@ -29,18 +29,17 @@ from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common.host.settings import ExecutorConfig  # noqa: E402
 from common.wire import convert  # noqa: E402
-from common.wire.config import ExecutorConfig  # noqa: E402
 from common.wire.pb import executor_pb2 as pb  # noqa: E402
 from common.wire.step_types import SamplingParams, StepInput, StepOutput  # noqa: E402
-from controller.__main__ import tune_gc  # noqa: E402
 from controller.core.outputs import GenerationRequest  # noqa: E402
 from controller.fleet.client import HandshakeResult  # noqa: E402
 from controller.fleet.engine import Engine  # noqa: E402
 from controller.fleet.session import ExecutorRunner  # noqa: E402
+from controller.main import tune_gc  # noqa: E402
 from controller.settings import ControllerConfig  # noqa: E402
 from controller.text.tokenizer import Tokenizer  # noqa: E402
-from executor_sim.latency import LatencyModel  # noqa: E402
 from executor_sim.worker import SimOptions, SimWorker  # noqa: E402
 from tests.support.processes import model_dir  # noqa: E402
 
@@ -64,7 +63,7 @@ class InProcessExecutor:
     def __init__(self, model: str, num_blocks: int):
         self.worker = SimWorker(
             ExecutorConfig(model=model),
-            SimOptions(latency=LatencyModel(0.0, 0.0), num_blocks=num_blocks),
+            SimOptions(step_fixed_ms=0.0, step_per_token_us=0.0, num_blocks=num_blocks),
         )
         self.sent: list[bytes] = []  # serialized steps not yet run, oldest first
         self.executor_seconds = 0.0  # time spent as the executor

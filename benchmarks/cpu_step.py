@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common.wire.config import ExecutorConfig  # noqa: E402
+from common.host.settings import ExecutorConfig  # noqa: E402
 from common.wire.model_config import load_model_geometry  # noqa: E402
 from common.wire.step_types import (  # noqa: E402
     CachedRequestData,

@@ -44,8 +44,8 @@ from benchmarks.gpu_kernels import (  # noqa: E402
     sweep_attention,
     time_gemms,
 )
+from common.host.settings import ExecutorConfig  # noqa: E402
 from common.torch.models.layer_ops import TORCH_LAYER_OPS  # noqa: E402
-from common.wire.config import ExecutorConfig  # noqa: E402
 from common.wire.model_config import load_model_geometry  # noqa: E402
 from common.wire.step_types import (  # noqa: E402
     CachedRequestData,

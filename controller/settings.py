@@ -1,72 +1,256 @@
-"""The controller's configuration (its command-line flags)."""
+"""The controller's settings: every flag, TANDEM_* variable and config-file key it reads."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+import re
+from typing import Literal
+
+from pydantic import field_validator, model_validator
+
+from common.settings import SettingError, TandemSettings, derived, setting
+from common.wire.rpc_token import read_token
+
+DEFAULT_EXECUTOR = "127.0.0.1:50051"  # the executor of a controller given no other
+FLEET = "fleet: discovery, health, failover, placement"
+LIMITS = "limits: admission control and request size"
+AUTH = "authentication of API clients"
+TLS = "TLS: HTTPS for clients, TLS/mTLS and a token to executors"
+_LIMIT_SPEC = re.compile(r"[^=,]+=\d+(,\d+)?")
 
 
-@dataclass
-class ControllerConfig:
+def _limit_specs(values: list[str]) -> list[str]:
+    """KIND=TOKENS[,SEQS] specs from --executor-limits values. A variable or config value may
+    hold several at once (tpu=64,8,gpu=512): a comma item with '=' starts the next one."""
+    specs: list[str] = []
+    for item in ",".join(values).split(",") if values else []:
+        if "=" in item or not specs:
+            specs.append(item.strip())
+        else:
+            specs[-1] += "," + item.strip()
+    for spec in specs:
+        if not _LIMIT_SPEC.fullmatch(spec):
+            raise ValueError(f"{spec!r}: expected KIND=TOKENS[,SEQS]")
+    return specs
+
+
+class ControllerConfig(TandemSettings):
     """How the controller serves and schedules."""
 
-    model: str  # local Hugging Face directory: tokenizer, chat template, config
-    served_model_name: str = ""  # name clients use; "" = the directory's basename
-    executors: list[str] = field(default_factory=list)  # executor addresses, host:port
-    host: str = "0.0.0.0"  # HTTP listen address
-    port: int = 8000  # HTTP port
-    max_num_batched_tokens: int = 2048  # token budget of one step
-    max_num_seqs: int = 128  # most requests in one step
-    max_model_len: int = 0  # longest sequence; 0 = the model's own
-    long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk; 0 = none
+    model: str = setting(help="local Hugging Face model directory", metavar="PATH")
+    served_model_name: str = setting("", "name clients use; '' = the directory's name")
+    host: str = setting("0.0.0.0", "HTTP listen address")
+    port: int = setting(8000, "HTTP port")
+    max_num_batched_tokens: int = setting(2048, "token budget of one step")
+    max_num_seqs: int = setting(128, "most requests in one step")
+    max_model_len: int = setting(0, "longest sequence; 0 = the model's own")
+    long_prefill_token_threshold: int = setting(0, "cap on one request's prefill chunk (0 = none)")
     # Seconds a step should take at most: an executor whose measured step cost would make a
     # full budget slower gets fewer tokens per step (chunked prefill only); 0 = the full budget.
-    step_time_target: float = 0.5
-    num_kv_blocks: int = 0  # override the profiled KV block count (testing); 0 = profiled
-    enable_prefix_caching: bool = True  # reuse KV blocks of shared prefixes
-    policy: str = "fcfs"  # scheduling policy: fcfs or priority
-    scheduler_class: str = ""  # "module:Class" of a custom SchedulerBase; "" = built-in
-    seed: int = 0  # executors' global seed
-    step_timeout: float = 300.0  # seconds a step may take before its executor counts as lost
-    pipeline_depth: int = 2  # steps in flight per executor (1 = wait for each result)
-    executor_startup_timeout: float = 900.0  # seconds the handshake's cache warm-up may take
-    reconnect_backoff_min: float = 0.2  # first wait between reconnect attempts
-    reconnect_backoff_max: float = 10.0  # longest wait between reconnect attempts
-    max_logprobs: int = 20  # most top logprobs a request may ask for
-    # Discovery: executors come from `executors` (static), DNS names and files (re-read).
-    executor_dns: list[str] = field(default_factory=list)  # "name:port", one address per A/AAAA
-    executor_files: list[str] = field(default_factory=list)  # files of host:port lines
-    dns_server: str = ""  # "host:port" of the nameserver to ask; "" = the system resolver
-    discovery_interval: float = 10.0  # seconds between re-resolutions / re-reads
-    # Health: gRPC health checks on every connected executor.
-    health_check_interval: float = 1.0  # seconds between checks
-    health_check_timeout: float = 2.0  # seconds one check may take
-    health_check_failures: int = 3  # failed checks in a row that make an executor lost
-    no_executor_timeout: float = 120.0  # seconds a request waits for a healthy executor (503)
-    # Placement.
-    prefix_affinity: bool = True  # prefer the executor holding the longest cached prefix
-    affinity_max_wait: float = 2.0  # most extra seconds affinity may cost a request
-    # Per device kind ("cpu", "gpu", "tpu"): (max_num_batched_tokens, max_num_seqs) overrides.
-    kind_limits: dict[str, tuple[int, int]] = field(default_factory=dict)
-    # Admission: bounds on requests waiting for their first token (429 beyond them).
-    max_queued_requests: int = 1024  # queued sequences across the fleet; 0 = no bound
-    max_queued_tokens: int = 1 << 20  # prompt tokens of queued sequences; 0 = no bound
-    retry_after: int = 1  # seconds in the Retry-After header of a 429/503
-    max_request_bytes: int = 4 << 20  # largest HTTP request body (413 beyond); 0 = no bound
-    # Client authentication: Bearer API keys (none = open API).
-    api_keys: list[str] = field(default_factory=list)  # accepted keys (secrets)
-    auth_exempt_paths: list[str] = field(default_factory=lambda: ["/health", "/metrics"])
-    # Shutdown: on SIGTERM admit nothing, let responses finish this long, then abort the rest.
-    shutdown_grace: float = 30.0
+    step_time_target: float = setting(
+        0.5,
+        "seconds a step should take: executors whose measured cost would make a full token "
+        "budget slower get fewer tokens per step (0 = off)",
+    )
+    num_kv_blocks: int = setting(
+        0,
+        "override the profiled KV block count (0 = profiled)",
+        aliases=("num_kv_blocks", "num_gpu_blocks_override"),
+    )
+    enable_prefix_caching: bool = setting(
+        True,
+        "reuse KV blocks of shared prefixes",
+        aliases=("enable_prefix_caching", "prefix_caching"),
+    )
+    policy: Literal["fcfs", "priority"] = setting(
+        "fcfs", "scheduling policy", aliases=("policy", "scheduling_policy")
+    )
+    scheduler_class: str = setting(
+        "",
+        "custom scheduler (a SchedulerBase) as module:Class; '' = built-in",
+        aliases=("scheduler",),
+        metavar="MODULE:CLASS",
+    )
+    seed: int = setting(0, "executors' global seed")
+    pipeline_depth: int = setting(
+        2,
+        "steps in flight per executor: the next step is scheduled and sent while one runs "
+        "(1 = wait for each result)",
+        ge=1,
+        le=4,
+        metavar="N",
+    )
+    step_timeout: float = setting(
+        300.0, "seconds a step may take before its executor counts as lost"
+    )
+    executor_startup_timeout: float = setting(
+        900.0, "seconds an executor's cache warm-up (compilation) may take"
+    )
+    max_logprobs: int = setting(20, "most top logprobs a request may ask for")
+    log_level: str = setting("INFO", "log level (DEBUG, INFO, WARNING, ERROR)")
+    log_format: Literal["text", "json"] = setting("text", "log lines as text or JSON objects")
     # Seconds an idle HTTP keep-alive connection stays open. Longer than the idle timeout of
     # the proxies in front (60 s for nginx upstreams and cloud load balancers), so that a proxy
     # never reuses a connection the server is closing (a sporadic 502 / connection reset).
-    http_keep_alive: float = 75.0
+    http_keep_alive: float = setting(
+        75.0,
+        "seconds an idle HTTP keep-alive connection stays open (keep it above the idle "
+        "timeout of any proxy in front)",
+    )
+    # Shutdown: on SIGTERM admit nothing, let responses finish this long, then abort the rest.
+    shutdown_grace: float = setting(
+        30.0,
+        "seconds open responses may finish after SIGTERM before they are aborted",
+        aliases=("shutdown_grace", "shutdown_timeout"),
+    )
+
+    # Discovery: executors come from `executors` (static), DNS names and files (re-read).
+    executors: list[str] = setting(
+        [], "executor address (repeatable)", aliases=("executor",), group=FLEET, metavar="HOST:PORT"
+    )
+    executor_dns: list[str] = setting(
+        [],
+        "DNS name whose every A/AAAA record is an executor (e.g. a Kubernetes headless "
+        "Service); re-resolved (repeatable)",
+        group=FLEET,
+        metavar="NAME:PORT",
+    )
+    executor_files: list[str] = setting(
+        [],
+        "file of host:port lines, re-read (repeatable)",
+        aliases=("executor_file",),
+        group=FLEET,
+        metavar="PATH",
+    )
+    dns_server: str = setting(
+        "",
+        "nameserver for --executor-dns; '' = the system resolver",
+        group=FLEET,
+        metavar="HOST:PORT",
+    )
+    discovery_interval: float = setting(
+        10.0, "seconds between re-resolutions of DNS names and files", group=FLEET
+    )
+    # Health: gRPC health checks on every connected executor.
+    health_check_interval: float = setting(1.0, "seconds between health checks", group=FLEET)
+    health_check_timeout: float = setting(2.0, "seconds one health check may take", group=FLEET)
+    health_check_failures: int = setting(
+        3, "failed health checks in a row that make an executor lost", group=FLEET
+    )
+    reconnect_backoff_min: float = derived(0.2, help="first wait between reconnect attempts")
+    reconnect_backoff_max: float = setting(
+        10.0, "longest wait between reconnect attempts", group=FLEET
+    )
+    no_executor_timeout: float = setting(
+        120.0, "seconds a request waits for a healthy executor before a 503", group=FLEET
+    )
+    # Placement.
+    prefix_affinity: bool = setting(
+        True,
+        "prefer the executor holding the longest cached prefix (off: place by estimated time only)",
+        group=FLEET,
+    )
+    affinity_max_wait: float = setting(
+        2.0, "most extra seconds prefix affinity may cost a request", group=FLEET
+    )
+    executor_limits: list[str] = setting(
+        [],
+        "per device kind step limits, e.g. tpu=64,8 (repeatable; SEQS defaults to --max-num-seqs)",
+        group=FLEET,
+        metavar="KIND=TOKENS[,SEQS]",
+    )
+    # Per device kind ("cpu", "gpu", "tpu"): (max_num_batched_tokens, max_num_seqs) overrides.
+    kind_limits: dict[str, tuple[int, int]] = derived(default_factory=dict)
+
+    # Admission: bounds on requests waiting for their first token (429 beyond them).
+    max_queued_requests: int = setting(
+        1024,
+        "sequences waiting for their first token, fleet-wide, before new requests get 429 "
+        "(0 = no bound)",
+        group=LIMITS,
+    )
+    max_queued_tokens: int = setting(
+        1 << 20, "prompt tokens of those sequences before 429 (0 = no bound)", group=LIMITS
+    )
+    retry_after: int = setting(
+        1, "seconds in the Retry-After header of a 429 or a shutdown 503", group=LIMITS
+    )
+    max_request_bytes: int = setting(
+        4 << 20, "largest HTTP request body; larger ones get 413 (0 = no bound)", group=LIMITS
+    )
+
+    # Client authentication: Bearer API keys (none = open API).
+    api_keys: list[str] = setting(
+        [],
+        "accepted Bearer key (repeatable; $TANDEM_API_KEY adds one more)",
+        aliases=("api_key",),
+        group=AUTH,
+        metavar="KEY",
+        env=False,  # TANDEM_API_KEY holds one key, added to the others (load_api_keys)
+    )
+    api_key_files: list[str] = setting(
+        [],
+        "file of accepted keys, one per line (repeatable)",
+        aliases=("api_key_file",),
+        group=AUTH,
+        metavar="PATH",
+    )
+    auth_exempt_paths: list[str] = setting(
+        ["/health", "/metrics"],
+        "path served without a key (repeatable; replaces the default)",
+        aliases=("auth_exempt_path",),
+        group=AUTH,
+        metavar="PATH",
+    )
+
     # HTTPS for the HTTP endpoint ("" = plain HTTP).
-    ssl_certfile: str = ""  # PEM certificate chain
-    ssl_keyfile: str = ""  # PEM private key
+    ssl_certfile: str = setting("", "PEM certificate chain: serve HTTPS", group=TLS, metavar="PATH")
+    ssl_keyfile: str = setting("", "PEM key of --ssl-certfile", group=TLS, metavar="PATH")
     # gRPC to executors: TLS / mTLS and a shared token ("" = off).
-    executor_tls_ca: str = ""  # PEM CA bundle that signs executor certificates; "" = plaintext
-    executor_tls_cert: str = ""  # PEM client certificate (mTLS)
-    executor_tls_key: str = ""  # PEM client key (mTLS)
-    executor_tls_server_name: str = ""  # name to verify in executor certificates
-    executor_token: str = ""  # sent as "authorization: Bearer <token>" on every RPC
+    executor_tls_ca: str = setting(
+        "", "PEM CA that signs executor certificates: gRPC over TLS", group=TLS, metavar="PATH"
+    )
+    executor_tls_cert: str = setting(
+        "", "PEM client certificate for executors that require mTLS", group=TLS, metavar="PATH"
+    )
+    executor_tls_key: str = setting("", "PEM key of --executor-tls-cert", group=TLS, metavar="PATH")
+    executor_tls_server_name: str = setting(
+        "", "name to verify in executor certificates; '' = the host", group=TLS
+    )
+    auth_token_file: str = setting(
+        "", "file holding the token sent to executors on every RPC", group=TLS, metavar="PATH"
+    )
+    executor_token: str = derived("")  # sent as "authorization: Bearer <token>" on every RPC
+
+    @field_validator("executor_limits")
+    @classmethod
+    def _check_limits(cls, values: list[str]) -> list[str]:
+        return _limit_specs(values)
+
+    @model_validator(mode="after")
+    def _derive_kind_limits(self) -> ControllerConfig:
+        for spec in self.executor_limits:
+            kind, _, numbers = spec.partition("=")
+            tokens, _, seqs = numbers.partition(",")
+            self.kind_limits[kind] = (int(tokens), int(seqs) if seqs else self.max_num_seqs)
+        return self
+
+    def finalize(self) -> None:
+        """The served name, the default executor, the API keys and the executor token."""
+        # Imported here: the API package brings FastAPI, which the rest of this module's
+        # readers (the scheduler, the fleet) do not need.
+        from controller.api.auth import load_api_keys
+
+        if not self.served_model_name:
+            self.served_model_name = os.path.basename(os.path.normpath(self.model))
+        if not (self.executors or self.executor_dns or self.executor_files):
+            self.executors = [DEFAULT_EXECUTOR]
+        try:
+            self.api_keys = load_api_keys(self.api_keys, self.api_key_files)
+        except OSError as e:
+            raise SettingError("api_key_files", str(e)) from None
+        if self.auth_token_file:
+            try:
+                self.executor_token = read_token(self.auth_token_file)
+            except (OSError, ValueError) as e:
+                raise SettingError("auth_token_file", str(e)) from None

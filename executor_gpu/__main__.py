@@ -8,16 +8,18 @@ import os
 # overall. Set before torch loads OpenMP; an explicit setting is kept. (No effect on CUDA.)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from common.host.server import build_arg_parser, serve  # noqa: E402
-from executor_gpu.worker import GPUWorker  # noqa: E402
+from common.host.server import serve  # noqa: E402
+from common.host.settings import ExecutorSettings  # noqa: E402
+
+DESCRIPTION = "Tandem GPU executor: runs the model steps a controller sends (CUDA, else CPU)."
 
 
-def main() -> None:
-    parser = build_arg_parser(
-        "python -m executor_gpu",
-        "Tandem GPU executor: runs the model steps a controller sends (CUDA, else CPU).",
-    )
-    serve(GPUWorker, parser.parse_args())
+def main(argv: list[str] | None = None, prog: str = "python -m executor_gpu") -> None:
+    """Load the settings, then serve a GPU worker until SIGTERM/SIGINT."""
+    settings = ExecutorSettings.load(argv, prog=prog, description=DESCRIPTION)
+    from executor_gpu.worker import GPUWorker  # torch: after the settings are known good
+
+    serve(GPUWorker, settings)
 
 
 if __name__ == "__main__":

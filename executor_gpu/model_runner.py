@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from common.host.settings import ExecutorConfig
 from common.torch.attention import AttentionMetadata, get_attention_backend
 from common.torch.input_batch import RequestState, ScheduledRow, StepBatch
 from common.torch.runner import (
@@ -35,7 +36,7 @@ from common.torch.sampling import (
     build_sampling_metadata,
     compute_prompt_logprobs,
 )
-from common.wire.config import ExecutorConfig, ModelGeometry
+from common.wire.config import ModelGeometry
 from executor_gpu.cpu import kernels as cpu_kernels
 from executor_gpu.cuda.graphs import DecodeGraphs, capture_sizes
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.host.model_runner_base import ModelRunnerBase
-from common.wire.config import ExecutorConfig, ModelGeometry
+from common.host.settings import ExecutorConfig
+from common.wire.config import ModelGeometry
 from common.wire.step_types import RequestStepOutput, SamplingParams, StepInput, StepOutput
 from executor_sim.sampler import FakeSampler
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
 
+from common.host.settings import ExecutorConfig
 from common.host.worker_base import WorkerBase
-from common.wire.config import ExecutorConfig, MemoryProfile
+from common.wire.config import MemoryProfile
 from common.wire.model_config import load_model_geometry
 from common.wire.step_types import StepInput, StepOutput
-from executor_sim.latency import LatencyModel
 from executor_sim.metrics import install_step_size_probe, shared_metrics, take_step_bytes
+from executor_sim.options import SimOptions
 from executor_sim.runner import SimModelRunner
 from executor_sim.sampler import FakeSampler
 
@@ -20,19 +20,6 @@ log = logging.getLogger(__name__)
 
 #: KV blocks reported when neither --num-blocks nor --kv-cache-bytes is given.
 DEFAULT_NUM_BLOCKS = 4096
-
-
-@dataclass
-class SimOptions:
-    """What only a simulated executor is configured with."""
-
-    latency: LatencyModel = field(default_factory=LatencyModel)  # step durations
-    num_blocks: int = 0  # KV blocks to report; 0 = --kv-cache-bytes, else DEFAULT_NUM_BLOCKS
-    eos_prob: float = 0.0  # chance per token of sampling an ending id (after min_tokens)
-    sample_vocab_size: int = 0  # draw tokens below this id; 0 = the whole vocabulary
-    device_kind: str = "gpu"  # kind reported to the controller (its --executor-limits key)
-    device_name: str = "simulated"  # device name reported to the controller
-    weights_bytes: int = 0  # weights size reported by ProfileMemory
 
 
 class SimWorker(WorkerBase):

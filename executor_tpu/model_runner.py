@@ -27,10 +27,11 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 from torch_xla.utils.buffer_donor_context import alias_with_buffer_donor_config
 
+from common.host.settings import ExecutorConfig
 from common.torch.input_batch import ScheduledRow
 from common.torch.runner import RowResults, TorchModelRunner, prompt_logprob_count
 from common.torch.sampling import seed_key
-from common.wire.config import Capabilities, ExecutorConfig, KVCacheSpec, ModelGeometry
+from common.wire.config import Capabilities, KVCacheSpec, ModelGeometry
 from common.wire.step_types import SamplingParams
 from executor_tpu.attention import (
     StaticAttentionMetadata,

@@ -8,8 +8,9 @@ import time
 
 import torch
 
+from common.host.settings import ExecutorConfig
 from common.host.worker_base import WorkerBase
-from common.wire.config import ExecutorConfig, MemoryProfile
+from common.wire.config import MemoryProfile
 from common.wire.model_config import load_model_geometry
 from common.wire.step_types import StepInput, StepOutput
 from executor_tpu.options import TPUOptions, resolve_cache_dir, select_pjrt_device

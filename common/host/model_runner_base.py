@@ -11,7 +11,8 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from common.wire.config import Capabilities, ExecutorConfig, KVCacheSpec, ModelGeometry
+from common.host.settings import ExecutorConfig
+from common.wire.config import Capabilities, KVCacheSpec, ModelGeometry
 from common.wire.step_types import StepInput, StepOutput
 
 _DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}

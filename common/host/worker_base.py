@@ -14,7 +14,8 @@ import uuid
 
 from common.host.metrics import ExecutorMetrics
 from common.host.model_runner_base import ModelRunnerBase
-from common.wire.config import DeviceInfo, ExecutorConfig, KVCacheSpec, MemoryProfile
+from common.host.settings import ExecutorConfig
+from common.wire.config import DeviceInfo, KVCacheSpec, MemoryProfile
 from common.wire.step_types import StepInput, StepOutput
 
 log = logging.getLogger(__name__)

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 import torch
 
 from common.host.model_runner_base import ModelRunnerBase
+from common.host.settings import ExecutorConfig
 from common.torch.input_batch import InputBatch, RequestState, ScheduledRow
 from common.torch.models import build_model
-from common.wire.config import ExecutorConfig, ModelGeometry
+from common.wire.config import ModelGeometry
 from common.wire.step_types import (
     RequestStepOutput,
     SamplingParams,

@@ -1,31 +1,9 @@
-"""Configuration and description types shared by the controller and the executors (no torch)."""
+"""Description types shared by the controller and the executors (no torch); an executor's
+own configuration is common.host.settings.ExecutorConfig."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-
-@dataclass
-class ExecutorConfig:
-    """How an executor process is set up (its command-line flags)."""
-
-    model: str  # local Hugging Face model directory
-    served_model_name: str = ""  # name reported to the controller; "" = directory basename
-    dtype: str = "float32"  # weights/activations dtype: float32, bfloat16, float16
-    device: str = "auto"  # "auto", "cuda", "cuda:N", "cpu"
-    block_size: int = 16  # tokens per KV block
-    kv_cache_bytes: int = 0  # KV budget where it cannot be profiled (CPU); 0 = default
-    gpu_memory_utilization: float = 0.9  # share of device memory Tandem may use (CUDA)
-    max_num_batched_tokens: int = 2048  # most tokens per step (replaced by InitDevice's)
-    max_num_seqs: int = 128  # most requests per step (replaced by InitDevice's)
-    max_model_len: int = 0  # longest sequence; 0 = the model's own
-    seed: int = 0  # global seed
-    enforce_eager: bool = False  # skip graph capture / compilation during warm-up
-    chunked_prefill: bool = True  # report chunked-prefill support to the controller
-    max_logprobs: int = 20  # most top logprobs returned per position
-    num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
-    load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights of
-    # the checkpoint's shape (config.json alone; for benchmarks)
 
 
 @dataclass

@@ -52,13 +52,13 @@ def keyed(default_model_dir, tmp_path_factory):
 
 def _routes(model_dir: str) -> list[tuple[str, str]]:
     """(method, path) of every route of the app, built in-process from the same flags."""
-    from controller.__main__ import parse_args
     from controller.api.server import create_app
     from controller.api.serving import OpenAIServing
     from controller.fleet.engine import Engine
+    from controller.main import load_config
     from controller.text.tokenizer import Tokenizer
 
-    config = parse_args(["--model", model_dir, "--api-key", "x"])
+    config = load_config(["--model", model_dir, "--api-key", "x"])
     tokenizer = Tokenizer.from_model_dir(model_dir)
     engine = Engine(config, tokenizer)
     app = create_app(engine, OpenAIServing(engine, tokenizer, "m", 20), start_engine=False)

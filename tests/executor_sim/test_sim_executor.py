@@ -11,7 +11,8 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
-from common.wire.config import ExecutorConfig, ModelGeometry
+from common.host.settings import ExecutorConfig
+from common.wire.config import ModelGeometry
 from common.wire.step_types import CachedRequestData, NewRequestData, SamplingParams, StepInput
 from executor_sim.latency import LatencyModel
 from executor_sim.runner import SimModelRunner
@@ -128,7 +129,7 @@ def test_latency_model():
 
 
 def test_worker_sleeps_the_modeled_time_and_counts(default_model_dir):
-    options = SimOptions(latency=LatencyModel(fixed_s=0.005, per_token_s=0.0), num_blocks=100)
+    options = SimOptions(step_fixed_ms=5.0, step_per_token_us=0.0, num_blocks=100)
     worker = SimWorker(ExecutorConfig(model=default_model_dir), options)
     worker.init_device()
     worker.load_model()

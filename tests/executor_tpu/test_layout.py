@@ -20,8 +20,8 @@ pytest.importorskip("torch_xla")
 
 import torch_xla.experimental.custom_kernel as custom_kernel  # noqa: E402
 
+from common.host.settings import ExecutorConfig  # noqa: E402
 from common.torch.input_batch import RequestState, ScheduledRow  # noqa: E402
-from common.wire.config import ExecutorConfig  # noqa: E402
 from common.wire.step_types import SamplingParams  # noqa: E402
 from executor_tpu.options import TPUOptions  # noqa: E402
 from executor_tpu.static_batch import build_static_step, pick_bucket  # noqa: E402

@@ -23,8 +23,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("torch_xla")
 
 
+from common.host.settings import ExecutorConfig  # noqa: E402
 from common.torch.input_batch import RequestState, ScheduledRow  # noqa: E402
-from common.wire.config import ExecutorConfig  # noqa: E402
 from common.wire.model_config import load_model_geometry  # noqa: E402
 from common.wire.step_types import NewRequestData, SamplingParams, StepInput  # noqa: E402
 from executor_tpu.compile_watch import CompileStats  # noqa: E402

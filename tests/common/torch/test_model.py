@@ -19,9 +19,9 @@ from tests.support.mini_controller import (
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from common.host.settings import ExecutorConfig  # noqa: E402
 from common.torch.input_batch import InputBatch, RequestState, ScheduledRow  # noqa: E402
 from common.torch.models import build_model  # noqa: E402
-from common.wire.config import ExecutorConfig  # noqa: E402
 from common.wire.model_config import load_model_geometry  # noqa: E402
 from common.wire.step_types import CachedRequestData, NewRequestData, SamplingParams, StepInput  # noqa: E402
 from executor_gpu.model_runner import GPUModelRunner  # noqa: E402

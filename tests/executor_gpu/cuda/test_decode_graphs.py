@@ -13,8 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from common.host.settings import ExecutorConfig  # noqa: E402
 from common.torch.attention import AttentionMetadata  # noqa: E402
-from common.wire.config import ExecutorConfig  # noqa: E402
 from common.wire.model_config import load_model_geometry  # noqa: E402
 from executor_gpu.cuda.graphs import DecodeGraphs, capture_sizes  # noqa: E402
 from executor_gpu.model_runner import GPUModelRunner  # noqa: E402

@@ -1,0 +1,97 @@
+"""The settings every executor has: the worker's config, and how the process serves it.
+
+Each executor kind subclasses ExecutorSettings with its own settings (executor_tpu's
+TPUSettings, executor_sim's SimSettings); the settings object is the worker's config.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from common.settings import SettingError, TandemSettings, derived, setting
+
+SECURITY = "security: TLS, mTLS and a shared token"
+
+
+class ExecutorConfig(TandemSettings):
+    """How an executor's worker runs the model (its flags; tests build one directly)."""
+
+    model: str = setting(help="local Hugging Face model directory", metavar="PATH")
+    served_model_name: str = setting(
+        "", "name reported to the controller; '' = the directory's name"
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = setting(
+        "float32", "weights and activations dtype"
+    )
+    device: str = setting(
+        "auto", "auto, cpu, cuda or cuda:N (GPU executor); auto, tpu or cpu (TPU executor)"
+    )
+    block_size: int = setting(16, "tokens per KV block")
+    kv_cache_bytes: int = setting(
+        0,
+        "KV budget where memory cannot be profiled (CPU); 0 = 2 GiB",
+        aliases=("kv_cache_bytes", "kv_cache_memory_bytes"),
+    )
+    gpu_memory_utilization: float = setting(0.9, "share of device memory Tandem may use (CUDA)")
+    max_num_batched_tokens: int = derived(2048, help="most tokens per step (InitDevice's)")
+    max_num_seqs: int = derived(128, help="most requests per step (InitDevice's)")
+    max_model_len: int = setting(0, "longest sequence; 0 = the model's own")
+    seed: int = setting(0, "global seed")
+    enforce_eager: bool = setting(False, "skip graph capture / compilation during warm-up")
+    chunked_prefill: bool = setting(
+        True,
+        "report chunked-prefill support to the controller (off: whole prompts only)",
+        aliases=("chunked_prefill", "enable_chunked_prefill"),
+    )
+    max_logprobs: int = setting(20, "most top logprobs returned per position")
+    num_threads: int = setting(0, "torch intra-op threads on CPU; 0 = torch's default")
+    load_format: Literal["auto", "dummy"] = setting(
+        "auto",
+        "auto: the checkpoint's weights; dummy: random weights of the checkpoint's shape "
+        "(config.json alone; for benchmarks)",
+    )
+
+
+class ExecutorSettings(ExecutorConfig):
+    """An executor process: its worker's config plus how it serves (address, metrics,
+    logging, security, shutdown)."""
+
+    host: str = setting("0.0.0.0", "address to listen on")
+    port: int = setting(50051, "gRPC port")
+    metrics_port: int = setting(0, "serve Prometheus metrics of this process over HTTP (0 = off)")
+    log_level: str = setting("INFO", "log level (DEBUG, INFO, WARNING, ERROR)")
+    log_format: Literal["text", "json"] = setting("text", "log lines as text or JSON objects")
+    shutdown_drain: float = setting(
+        10.0,
+        "after SIGTERM: seconds to report NOT_SERVING while the open step stream goes on "
+        "(ends early once the controller closes it)",
+    )
+    tls_cert: str = setting(
+        "", "PEM server certificate: serve gRPC over TLS", group=SECURITY, metavar="PATH"
+    )
+    tls_key: str = setting("", "PEM key of --tls-cert", group=SECURITY, metavar="PATH")
+    tls_client_ca: str = setting(
+        "",
+        "PEM CA of client certificates: require them (mutual TLS)",
+        group=SECURITY,
+        metavar="PATH",
+    )
+    auth_token_file: str = setting(
+        "",
+        "file holding the token every RPC but health checks must carry",
+        group=SECURITY,
+        metavar="PATH",
+    )
+    health_port: int = setting(
+        0,
+        "also serve grpc.health.v1 alone, in plaintext, on this port (for probes that cannot "
+        "speak TLS; 0 = off)",
+        group=SECURITY,
+    )
+
+    def finalize(self) -> None:
+        """Reject TLS flags that do not go together."""
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise SettingError("tls_cert", "--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise SettingError("tls_client_ca", "--tls-client-ca needs --tls-cert and --tls-key")
