@@ -161,13 +161,16 @@ def load_settings(
     defaults: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
     known_only: bool = False,
+    config_file: bool = True,
 ) -> tuple[Any, list[str]]:
     """The finalized settings of ``cls`` from ``argv`` (default: sys.argv[1:]), ``environ``
-    and the --config file, and the arguments left over (``known_only``; else unknown ones
-    are an error). Precedence: command line > environment > config file > ``defaults`` >
-    field defaults. Exits with status 2 and a message on any bad value."""
+    and the --config file (a flag only with ``config_file``), and the arguments left over
+    (``known_only``; else unknown ones are an error). Precedence: command line > environment
+    > config file > ``defaults`` > field defaults. Exits with status 2 and a message on any
+    bad value."""
     parser = SettingsParser(cls, known_only, prog=prog, description=description, epilog=epilog)
-    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
+    if config_file:
+        parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     env = sources.EnvSource(cls, environ)
     cli = CliSettingsSource(
         cls,
@@ -194,5 +197,6 @@ def load_settings(
         where = _where(parser, e.field, origin.get(e.field, ""), "")
         parser.error(str(e) if e.field == "config" else f"{where}: {e}")
     except SettingsError as e:  # a variable the environment source could not decode
-        parser.error(f"{e}: {e.__cause__}")
+        field = getattr(e.__cause__, "field", "")
+        parser.error(f"{fields.env_name(field)}: {e.__cause__}" if field else str(e))
     return settings, parser.rest

@@ -55,9 +55,12 @@ class EnvSource(EnvSettingsSource):
         return super().get_field_value(field, field_name)
 
     def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
-        if fields.is_list(field):
-            return split_list(value)
-        return super().decode_complex_value(field_name, field, value)
+        try:
+            if fields.is_list(field):
+                return split_list(value)
+            return super().decode_complex_value(field_name, field, value)
+        except ValueError as e:
+            raise fields.SettingError(field_name, f"cannot decode {value!r}: {e}") from None
 
 
 def name_table(settings_cls: type[BaseSettings], derived: bool = False) -> dict[str, str]:
