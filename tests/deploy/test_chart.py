@@ -965,11 +965,6 @@ def test_security_secrets_and_flags(renderer, tmp_path):
 
 # --- the programs take the flags the chart passes ----------------------------------------------
 
-# Flags the chart passes that no program takes: the TPU pool's --xla-cache-dir (the executor's
-# flag is --compile-cache-dir), a chart bug of its own issue.
-KNOWN_CHART_BUGS = {"--xla-cache-dir"}
-
-
 def _settings_class(image: str):
     """The settings class of the program an image runs."""
     from common.host.settings import ExecutorSettings
@@ -997,8 +992,7 @@ def _check_flags(manifest: Manifest, monkeypatch) -> int:
             # finalize reads the Secrets' files, which exist in the pod only.
             monkeypatch.setattr(cls, "finalize", lambda self: None)
             _, rest = load_settings(cls, c["args"], known_only=True, environ={})
-            unknown = {a.split("=")[0] for a in rest if a.startswith("-")}
-            assert unknown <= KNOWN_CHART_BUGS, f"{c['image']}: {sorted(unknown)}"
+            assert not rest, f"{c['image']} takes no {rest}"
             checked += 1
     return checked
 
