@@ -40,6 +40,7 @@ from controller.fleet.session import ExecutorRunner  # noqa: E402
 from controller.main import tune_gc  # noqa: E402
 from controller.settings import ControllerConfig  # noqa: E402
 from controller.text.tokenizer import Tokenizer  # noqa: E402
+from executor_sim.latency import LatencyModel  # noqa: E402
 from executor_sim.worker import SimOptions, SimWorker  # noqa: E402
 from tests.support.processes import model_dir  # noqa: E402
 
@@ -63,7 +64,7 @@ class InProcessExecutor:
     def __init__(self, model: str, num_blocks: int):
         self.worker = SimWorker(
             ExecutorConfig(model=model),
-            SimOptions(step_fixed_ms=0.0, step_per_token_us=0.0, num_blocks=num_blocks),
+            SimOptions(latency=LatencyModel(0.0, 0.0), num_blocks=num_blocks),
         )
         self.sent: list[bytes] = []  # serialized steps not yet run, oldest first
         self.executor_seconds = 0.0  # time spent as the executor

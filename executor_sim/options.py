@@ -3,9 +3,7 @@ cache, and how many executors one process serves."""
 
 from __future__ import annotations
 
-from functools import cached_property
-
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from common.host.settings import ExecutorSettings
 from common.settings import SettingError, derived, setting
@@ -46,17 +44,20 @@ class SimOptions(BaseModel):
     )
     device_name: str = setting("simulated", "device name reported", group=SIMULATION)
     weights_bytes: int = derived(0, help="weights size reported by ProfileMemory")
+    # The step-time model; None: the one the step_* settings describe (code may give its own).
+    latency: LatencyModel | None = derived(None)
 
-    @cached_property
-    def latency(self) -> LatencyModel:
-        """The step-time model the step_* settings describe (in seconds)."""
-        return LatencyModel(
-            fixed_s=self.step_fixed_ms / 1e3,
-            per_token_s=self.step_per_token_us / 1e6,
-            per_request_s=self.step_per_request_us / 1e6,
-            per_context_token_s=self.step_per_context_token_ns / 1e9,
-            jitter=self.step_jitter,
-        )
+    @model_validator(mode="after")
+    def _latency_from_settings(self) -> SimOptions:
+        if self.latency is None:
+            self.latency = LatencyModel(
+                fixed_s=self.step_fixed_ms / 1e3,
+                per_token_s=self.step_per_token_us / 1e6,
+                per_request_s=self.step_per_request_us / 1e6,
+                per_context_token_s=self.step_per_context_token_ns / 1e9,
+                jitter=self.step_jitter,
+            )
+        return self
 
 
 class SimSettings(ExecutorSettings, SimOptions):

@@ -965,6 +965,7 @@ def test_security_secrets_and_flags(renderer, tmp_path):
 
 # --- the programs take the flags the chart passes ----------------------------------------------
 
+
 def _settings_class(image: str):
     """The settings class of the program an image runs."""
     from common.host.settings import ExecutorSettings

@@ -129,7 +129,7 @@ def test_latency_model():
 
 
 def test_worker_sleeps_the_modeled_time_and_counts(default_model_dir):
-    options = SimOptions(step_fixed_ms=5.0, step_per_token_us=0.0, num_blocks=100)
+    options = SimOptions(latency=LatencyModel(fixed_s=0.005, per_token_s=0.0), num_blocks=100)
     worker = SimWorker(ExecutorConfig(model=default_model_dir), options)
     worker.init_device()
     worker.load_model()

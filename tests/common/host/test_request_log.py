@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from common.host.servicer import ExecutorServicer
-from common.wire.config import ExecutorConfig
+from common.host.settings import ExecutorConfig
 from common.wire.step_types import CachedRequestData, NewRequestData, SamplingParams, StepInput
 from executor_sim.latency import LatencyModel
 from executor_sim.worker import SimOptions, SimWorker

@@ -196,6 +196,8 @@ def test_sim_options_give_the_latency_model():
     options = SimOptions(step_fixed_ms=2.0, step_per_token_us=10.0, step_jitter=0.1)
     assert options.latency == LatencyModel(0.002, 10e-6, 0.0, 0.0, 0.1)
     assert SimOptions().latency == LatencyModel()  # the flags' defaults are the model's
+    given = LatencyModel(fixed_s=0.0, per_token_s=0.0)  # code may give the model itself
+    assert SimOptions(latency=given, num_blocks=3).latency is given
     many = load(SimSettings, ["--model", "m", "--ports-file", "/p"])
     assert many.serves_many and not load(SimSettings, ["--model", "m"]).serves_many
 
