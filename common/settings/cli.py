@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
-from pydantic_settings import CliSettingsSource, SettingsError
+from pydantic_settings import BaseSettings, CliSettingsSource, SettingsError
 
 from common.settings import fields, sources
 
@@ -35,7 +35,7 @@ class SettingsParser(argparse.ArgumentParser):
     - no flag for a derived field.
     """
 
-    def __init__(self, settings_cls: type[fields.TandemSettings], known_only: bool, **kwargs):
+    def __init__(self, settings_cls: type[BaseSettings], known_only: bool, **kwargs):
         super().__init__(allow_abbrev=False, formatter_class=argparse.HelpFormatter, **kwargs)
         self.settings_cls = settings_cls  # the class whose fields are the flags
         self.known_only = known_only  # leave unknown arguments in `rest` instead of failing
@@ -152,7 +152,7 @@ def _layers(
 
 
 def load_settings(
-    cls: type[fields.TandemSettings],
+    cls: type[BaseSettings],
     argv: list[str] | None,
     *,
     prog: str | None = None,
