@@ -18,6 +18,8 @@ class PlacedRequests(dict[str, "Tracked"]):
     will be cached there before any later request is admitted, so placement counts them as
     prefix hits already."""
 
+    __slots__ = ("queued",)  # no instance __dict__: lookups stay at dict speed
+
     def __init__(self) -> None:
         super().__init__()
         self.queued: Counter[bytes] = Counter()  # block hash -> placed requests announcing it

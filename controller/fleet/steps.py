@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from controller.fleet.owner import SessionOwner
     from controller.fleet.placed import PlacedRequests
     from controller.fleet.placement import StepCostModel
+    from controller.fleet.tracked import Tracked
     from controller.observe.metrics import EngineMetrics, ExecutorSeries
     from controller.settings import ControllerConfig
 
@@ -100,8 +101,11 @@ class StepLoop:
             self.steps += 1
             self.tokens += num_tokens
             series = self.series
+            find = self.tracked.get  # bound once per step: the lookup runs per request
             for update in updates:
-                self._emit(update, now, series)
+                tracked = find(update.request_id)
+                if tracked is not None and tracked.request is not None:
+                    self._emit(tracked, update, now, series)
             self.metrics.step_done(series, num_tokens, step.num_requests, seconds, sched.stats())
 
     def _stamp_scheduled(self, step: StepInput, sent: float) -> None:
@@ -112,10 +116,10 @@ class StepLoop:
                 tracked.stats.scheduled_at = sent
                 self.metrics.request_scheduled(self.series, sent - tracked.stats.arrival)
 
-    def _emit(self, update: RequestUpdate, now: float, series: ExecutorSeries) -> None:
-        tracked = self.tracked.get(update.request_id)
-        if tracked is None or tracked.request is None:
-            return
+    def _emit(
+        self, tracked: Tracked, update: RequestUpdate, now: float, series: ExecutorSeries
+    ) -> None:
+        """One request's update: its metrics, its client's delta, its end."""
         if update.new_token_ids:
             metrics = self.metrics
             metrics.tokens_generated(series, tracked.stats, len(update.new_token_ids), now)
