@@ -2,7 +2,7 @@
 
 `controlplane.py` measures the whole controller process against simulated executors over gRPC
 and HTTP; its figures move with whatever else the machine runs. This script isolates the part
-that grows with running requests: one `ExecutorRunner` (the real scheduler, KV manager, step
+that grows with running requests: one `ExecutorSession` (the real scheduler, KV manager, step
 loop, result handling, metrics and delivery) drives a simulated executor called in-process
 through the step's protobuf round trip (so conversions are counted), while R non-streamed
 requests are kept running through `Engine.generate` (what the API handler consumes). The
@@ -36,7 +36,7 @@ from common.wire.step_types import SamplingParams, StepInput, StepOutput  # noqa
 from controller.core.outputs import GenerationRequest  # noqa: E402
 from controller.fleet.client import HandshakeResult  # noqa: E402
 from controller.fleet.engine import Engine  # noqa: E402
-from controller.fleet.session import ExecutorRunner  # noqa: E402
+from controller.fleet.session import ExecutorSession  # noqa: E402
 from controller.main import tune_gc  # noqa: E402
 from controller.settings import ControllerConfig  # noqa: E402
 from controller.text.tokenizer import Tokenizer  # noqa: E402
@@ -132,12 +132,12 @@ async def measure_point(
         health_check_interval=3600.0,
     )
     engine = Engine(config, tokenizer)
-    runner = ExecutorRunner(engine, "in-process")
+    session = ExecutorSession(engine, config, engine.metrics, "in-process")
     executor = InProcessExecutor(model, blocks)
-    runner.client = executor
-    runner.health.client = executor
-    engine.runners[runner.address] = runner
-    runner.start()
+    session.client = executor
+    session.health.client = executor
+    engine.sessions[session.address] = session
+    session.start()
     await engine.wait_for_executor(timeout=60)
     vocab = tokenizer.vocab_size
     rng = random.Random(0)
@@ -160,7 +160,7 @@ async def measure_point(
                 pass
 
     tasks = [asyncio.create_task(client()) for _ in range(running)]
-    while runner.scheduler is None or len(runner.scheduler.running) < running:
+    while session.snapshot().running < running:
         await asyncio.sleep(0.01)
     for _ in range(output_len // 2):  # stagger the finishes: a steady mix of ages
         await asyncio.sleep(0)
@@ -178,8 +178,8 @@ async def measure_point(
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await engine.stop()
-    runner.leaving = True
-    runner._wake.set()
+    session.leaving = True
+    session._wake.set()
     return StepCost(
         running=running,
         steps=n,

@@ -10,14 +10,9 @@ from __future__ import annotations
 import abc
 import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from common.wire.step_types import StepInput, StepOutput, TokenLogprobs
 from controller.core.request import FinishReason, Request
-
-if TYPE_CHECKING:
-    from common.wire.config import DeviceInfo
-    from controller.settings import ControllerConfig
 
 POLICIES = ("fcfs", "priority")
 
@@ -35,28 +30,6 @@ class SchedulerConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int = 0  # KV blocks of the executor, null block included; must be set (>= 2)
     max_model_len: int = 0  # default Request.max_model_len; 0 = no limit
-
-    @classmethod
-    def for_executor(
-        cls, cfg: ControllerConfig, info: DeviceInfo, num_blocks: int
-    ) -> SchedulerConfig:
-        """The controller's settings within what one executor says it can do (its kind's
-        limits from ``--executor-limits`` first)."""
-        caps = info.capabilities
-        tokens, seqs = cfg.kind_limits.get(
-            info.device_kind, (cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        )
-        return cls(
-            max_num_batched_tokens=min(tokens, caps.max_tokens_per_step),
-            max_num_seqs=min(seqs, caps.max_num_seqs),
-            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
-            policy=cfg.policy,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            chunked_prefill=caps.chunked_prefill,
-            block_size=info.kv_cache.block_size,
-            num_blocks=num_blocks,
-            max_model_len=info.model.max_model_len,
-        )
 
     def validate(self) -> None:
         """Raise ValueError on an unusable configuration."""

@@ -1,7 +1,8 @@
 """The engine: the fleet of executors, request placement, failover and output streaming.
 
-Each executor address gets an `ExecutorRunner` (its session, scheduler, block pool and step
-loop; see runner.py). Addresses come from discovery (static, DNS, files; see discovery.py) and
+Each executor address gets an `ExecutorSession` (its connection, scheduler, block pool and
+step loop; see session.py), which reports back through the `SessionOwner` interface the engine
+implements (owner.py). Addresses come from discovery (static, DNS, files; see discovery.py) and
 may join or leave at any time. Each request is placed on one healthy executor by the placement
 policy (placement.py). When an executor is lost, its unfinished requests are placed again on
 healthy executors and resumed by recompute (prompt + tokens so far), so a client's stream only
@@ -20,16 +21,21 @@ from collections.abc import AsyncIterator
 from common.wire.config import DeviceInfo
 from controller.core.kv_cache import hash_token_blocks
 from controller.core.outputs import GenerationRequest, OutputDelta
-from controller.core.request import Request
+from controller.core.snapshot import ExecutorSnapshot
 from controller.fleet.client import make_security
 from controller.fleet.discovery import Discovery
-from controller.fleet.placement import PlacementPolicy, PlacementQuery, candidate_of
-from controller.fleet.session import ExecutorRunner, RunnerState
-from controller.fleet.tracked import Tracked
+from controller.fleet.placement import (
+    PlacementPolicy,
+    PlacementQuery,
+    candidate_of,
+    mean_step_cost,
+)
+from controller.fleet.session import ExecutorSession, SessionState
+from controller.fleet.tracked import Tracked, count_finished, scheduler_request, track
+from controller.observe.fleet_collector import FleetCollector
 from controller.observe.metrics import EngineMetrics
 from controller.observe.report import executor_report
 from controller.settings import ControllerConfig
-from controller.text.detokenizer import OutputTextState
 from controller.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -57,7 +63,7 @@ class Engine:
         )
         self.policy = PlacementPolicy(config.prefix_affinity, config.affinity_max_wait)
         self.discovery = Discovery(config)  # where executors are
-        self.runners: dict[str, ExecutorRunner] = {}  # by address
+        self.sessions: dict[str, ExecutorSession] = {}  # by address
         self.max_model_len = config.max_model_len  # the fleet's; set as executors connect
         self.eos_token_ids: list[int] = list(tokenizer.eos_token_ids)  # from tokenizer + model
         self.num_kv_tokens = 0  # smallest executor KV capacity in tokens
@@ -66,7 +72,9 @@ class Engine:
         self._reference: DeviceInfo | None = None  # the first executor's model, for checks
         self._kick = asyncio.Event()  # wakes the maintenance loop
         self._tasks: list[asyncio.Task] = []  # discovery and maintenance loops
-        self.metrics.watch(self)
+        self.metrics.registry.register(  # the fleet's gauges, read at scrape time
+            FleetCollector(self._read_fleet, config.served_model_name, config.enable_prefix_caching)
+        )
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -81,7 +89,7 @@ class Engine:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(r.stop() for r in list(self.runners.values())))
+        await asyncio.gather(*(s.stop() for s in list(self.sessions.values())))
 
     async def _discover(self) -> None:
         while True:
@@ -92,37 +100,37 @@ class Engine:
                 log.exception("discovery round failed")
 
     def _apply(self, found: dict[str, str]) -> None:
-        """Start runners for new addresses; drain the ones that left."""
+        """Start sessions for new addresses; drain the ones that left."""
         for address, source in found.items():
-            runner = self.runners.get(address)
-            if runner is None:
+            session = self.sessions.get(address)
+            if session is None:
                 log.info("executor %s joined (%s)", address, source)
-                runner = self.runners[address] = ExecutorRunner(self, address, source)
-                runner.start()
-            elif runner.leaving and runner.rejoin():
+                session = self.sessions[address] = ExecutorSession(
+                    self, self.config, self.metrics, address, source, self.executor_security
+                )
+                session.start()
+            elif session.leaving and session.rejoin():
                 log.info("executor %s is back in discovery", address)
-        for address, runner in list(self.runners.items()):
+        for address, session in list(self.sessions.items()):
             if address not in found:
-                runner.leave()
+                session.leave()
 
-    # --- callbacks from runners --------------------------------------------------------
+    # --- SessionOwner: what sessions report ----------------------------------------------
 
-    def runner_ready(self, runner: ExecutorRunner) -> None:
+    def session_ready(self, address: str) -> None:
         """A handshake finished: adopt its limits, place waiting requests."""
         self._refresh_limits()
         self._kick.set()
 
-    def runner_removed(self, runner: ExecutorRunner) -> None:
-        if self.runners.get(runner.address) is runner:
-            del self.runners[runner.address]
-            log.info("executor %s removed", runner.address)
+    def session_removed(self, address: str) -> None:
+        session = self.sessions.get(address)
+        if session is not None and session.state is SessionState.REMOVED:
+            del self.sessions[address]
+            log.info("executor %s removed", address)
         self._refresh_limits()
 
-    def request_done(
-        self, tracked: Tracked, reason: str | None, runner: ExecutorRunner, now: float
-    ) -> None:
-        """A request finished on an executor: metrics, the expected output length, a log line."""
-        self.metrics.request_finished(reason, tracked, now, runner)
+    def request_done(self, tracked: Tracked, reason: str | None, address: str, now: float) -> None:
+        """A request finished on an executor: the expected output length, a log line."""
         req = tracked.request
         if req is None:
             return
@@ -131,14 +139,14 @@ class Engine:
             "request %s finished (%s) on %s: %d prompt tokens (%d cached), %d generated, %.2fs",
             tracked.gen.request_id,
             reason,
-            runner.address,
+            address,
             req.num_prompt_tokens,
             req.num_cached_tokens,
             req.num_output_tokens,
-            now - tracked.arrival,
+            now - tracked.stats.arrival,
         )
 
-    def check_compatible(self, runner: ExecutorRunner, info: DeviceInfo) -> None:
+    def check_compatible(self, address: str, info: DeviceInfo) -> None:
         """Refuse an executor that serves a different model than the fleet."""
         ref = self._reference
         if ref is None:
@@ -148,42 +156,40 @@ class Engine:
         theirs = (ref.model.architecture, ref.model.vocab_size, ref.model.num_layers)
         if mine != theirs:
             raise RuntimeError(
-                f"executor {runner.address} serves a different model {mine}; "
-                f"the fleet serves {theirs}"
+                f"executor {address} serves a different model {mine}; the fleet serves {theirs}"
             )
 
-    def fleet_cost_prior(self, runner: ExecutorRunner) -> tuple[float, float]:
-        """Starting step-cost guess for a new executor: the fleet's average."""
-        fitted = [
-            r.cost.coefficients()
-            for r in self.runners.values()
-            if r is not runner and r.cost.steps > 0
-        ]
-        if not fitted:
-            return runner.cost.prior_overhead, runner.cost.prior_per_token
-        return (sum(f[0] for f in fitted) / len(fitted), sum(f[1] for f in fitted) / len(fitted))
+    def cost_prior(self, address: str) -> tuple[float, float] | None:
+        """Starting step-cost guess for a new executor: the fleet's average (None: no executor
+        measured yet, keep the default)."""
+        return mean_step_cost(s.snapshot() for a, s in self.sessions.items() if a != address)
 
     def _refresh_limits(self) -> None:
         known = [
-            r
-            for r in self.runners.values()
-            if r.info is not None and r.state is not RunnerState.REMOVED
+            s
+            for s in self.sessions.values()
+            if s.info is not None and s.state is not SessionState.REMOVED
         ]
         if not known:
             return  # keep the last fleet's limits while none is connected
-        self.max_model_len = min(r.info.model.max_model_len for r in known)
-        self.num_kv_tokens = min((r.num_blocks - 1) * r.block_size for r in known)
-        for r in known:
-            for eos in r.info.model.eos_token_ids:
+        self.max_model_len = min(s.info.model.max_model_len for s in known)
+        self.num_kv_tokens = min((s.num_blocks - 1) * s.block_size for s in known)
+        for s in known:
+            for eos in s.info.model.eos_token_ids:
                 if eos not in self.eos_token_ids:
                     self.eos_token_ids.append(eos)
 
     # --- fleet state -------------------------------------------------------------------
 
+    def _read_fleet(self) -> tuple[list[ExecutorSnapshot], int]:
+        """The fleet for the scrape-time gauges: a snapshot per executor, and the requests
+        waiting for one."""
+        return [s.snapshot() for s in list(self.sessions.values())], len(self.waiting)
+
     @property
     def healthy(self) -> bool:
         """Whether some executor takes work."""
-        return any(r.healthy for r in self.runners.values())
+        return any(s.healthy for s in self.sessions.values())
 
     async def wait_for_executor(self, timeout: float | None = None) -> bool:
         """Wait (up to `no_executor_timeout`) until some executor is healthy."""
@@ -196,8 +202,8 @@ class Engine:
         return True
 
     def fleet_summary(self) -> str:
-        n = len(self.runners)
-        healthy = sum(r.healthy for r in self.runners.values())
+        n = len(self.sessions)
+        healthy = sum(s.healthy for s in self.sessions.values())
         return f"{healthy} of {n} executor{'s' if n != 1 else ''} healthy"
 
     def no_executor_message(self) -> str:
@@ -208,47 +214,16 @@ class Engine:
 
     def executors_state(self) -> list[dict]:
         """Per-executor state for /health and the admin endpoint."""
-        return [executor_report(r) for r in self.runners.values()]
+        return [executor_report(s.snapshot()) for s in self.sessions.values()]
 
     # --- requests ----------------------------------------------------------------------
-
-    def make_request(self, gen: GenerationRequest, output_so_far: list[int] | None = None):
-        """The scheduler's Request for a generation request (resumed: with its output)."""
-        req = Request(
-            request_id=gen.request_id,
-            prompt_token_ids=gen.prompt_token_ids,
-            sampling=gen.sampling,
-            max_tokens=gen.max_tokens,
-            eos_token_ids=self.eos_token_ids,
-            stop_token_ids=gen.stop_token_ids,
-            ignore_eos=gen.ignore_eos,
-            min_tokens=gen.min_tokens,
-            priority=gen.priority,
-            max_model_len=self.max_model_len,
-        )
-        if output_so_far:
-            req.output_token_ids = list(output_so_far)
-        return req
 
     async def generate(self, gen: GenerationRequest) -> AsyncIterator[OutputDelta]:
         """Run one request; yields its deltas; aborts it if the consumer goes away.
 
         Raises NoExecutorError when no healthy executor takes it within the timeout.
         """
-        tracked = Tracked(
-            gen=gen,
-            queue=asyncio.Queue(),
-            text=OutputTextState(
-                self.tokenizer,
-                gen.prompt_token_ids,
-                stop=gen.stop,
-                include_stop_str_in_output=gen.include_stop_str_in_output,
-                skip_special_tokens=gen.skip_special_tokens,
-                defer=not gen.stream,
-            ),
-            request=None,
-            arrival=time.perf_counter(),
-        )
+        tracked = track(gen, self.tokenizer)
         if not self._place(tracked):
             self._wait(tracked)
         finished = False
@@ -265,60 +240,63 @@ class Engine:
                 self._abort(tracked)
 
     def _abort(self, tracked: Tracked) -> None:
-        if tracked.runner is not None:
-            tracked.runner.abort(tracked)
+        session = self.sessions.get(tracked.placed_on) if tracked.placed_on else None
+        if session is not None:
+            session.abort(tracked)
         elif self.waiting.pop(tracked.gen.request_id, None) is not None:
-            self.metrics.request_finished("abort", tracked)
+            count_finished(self.metrics, "abort", tracked)
 
     def _place(
-        self, tracked: Tracked, exclude: ExecutorRunner | None = None, startable_only: bool = False
+        self, tracked: Tracked, exclude: str | None = None, startable_only: bool = False
     ) -> bool:
-        """Place a request on the best healthy executor; False when none can take it."""
+        """Place a request on the best healthy executor (not the one at `exclude`); False when
+        none can take it."""
         gen = tracked.gen
         output = tracked.output_token_ids
         tokens = gen.prompt_token_ids + output
         n = len(tokens)
         longest = len(gen.prompt_token_ids) + gen.max_tokens
-        runners = [
-            r
-            for r in self.runners.values()
-            if r.healthy
-            and r is not exclude
-            and r.fits(n, longest)
-            and (not startable_only or r.can_start_now(n))
+        healthy = [s for s in self.sessions.values() if s.healthy]
+        eligible = [
+            s
+            for s in healthy
+            if s.address != exclude
+            and s.fits(n, longest)
+            and (not startable_only or s.can_start_now(n))
         ]
-        if not runners:
+        if not eligible:
             return False
         use_cache = self.config.enable_prefix_caching and gen.sampling.prompt_logprobs is None
         hashes: dict[int, list[bytes]] = {}
-        for r in runners:
-            if r.block_size not in hashes:
-                hashes[r.block_size] = hash_token_blocks(tokens, r.block_size) if use_cache else []
+        for s in eligible:
+            if s.block_size not in hashes:
+                hashes[s.block_size] = hash_token_blocks(tokens, s.block_size) if use_cache else []
         remaining = max(gen.max_tokens - len(output), 1)
         expected = self._expected_output
-        healthy = [r for r in self.runners.values() if r.healthy]
         query = PlacementQuery(
             n,
             max(1, min(remaining, round(expected))),
-            reference_batch=1.0 + sum(len(r.tracked) for r in healthy) / max(len(healthy), 1),
+            reference_batch=1.0 + sum(len(s.tracked) for s in healthy) / max(len(healthy), 1),
         )
-        decision = self.policy.choose(
-            query, [candidate_of(r, hashes[r.block_size], n, expected) for r in runners]
-        )
+        candidates = [
+            candidate_of(s.snapshot(expected), s.prefix_hit(hashes[s.block_size], n))
+            for s in eligible
+        ]
+        decision = self.policy.choose(query, candidates)
         assert decision is not None
-        runner = self.runners[decision.key]
-        request = self.make_request(gen, output)
+        session = self.sessions[decision.key]
+        request = scheduler_request(gen, output, self.eos_token_ids, self.max_model_len)
         request.arrival_time = tracked.arrival_time
-        request.block_hashes = list(hashes[runner.block_size])
+        request.block_hashes = list(hashes[session.block_size])
         tracked.request = request
-        tracked.queued_hashes = hashes[runner.block_size]
+        tracked.queued_hashes = hashes[session.block_size]
         tracked.expected_hit = decision.prefix_hit
-        runner.add(tracked)  # ValueError (never runnable) goes to the caller
+        session.add(tracked)  # ValueError (never runnable) goes to the caller
         self.metrics.placed(decision.reason)
         log.debug(
             "request %s -> %s (%s, %d cached tokens, latency %.2fs, balanced %.2fs)",
             gen.request_id,
-            runner.address,
+            session.address,
             decision.reason,
             decision.prefix_hit,
             decision.latency,
@@ -336,15 +314,14 @@ class Engine:
             self.fleet_summary(),
         )
 
-    def relocate(self, moved: list[Tracked], source: ExecutorRunner, failover: bool) -> None:
-        """Place requests taken from `source` elsewhere; they resume by recompute."""
+    def relocate(self, moved: list[Tracked], source: str) -> None:
+        """Place requests taken from the lost executor at `source` elsewhere; they resume by
+        recompute."""
         now = time.perf_counter()
         for tracked in moved:
             tracked.num_moves += 1
             tracked.prompt_logprobs_skip = tracked.prompt_logprobs_sent
-            if failover:
-                tracked.lost_at = tracked.lost_at or now
-                self.metrics.failed_over(source)
+            tracked.lost_at = tracked.lost_at or now
             try:
                 placed = self._place(tracked, exclude=source)
             except ValueError as exc:
@@ -352,17 +329,16 @@ class Engine:
                 continue
             if not placed:
                 self._wait(tracked)
-        if failover:
-            log.info(
-                "failover from %s: %d requests moved, %d waiting for an executor",
-                source.address,
-                len(moved),
-                len(self.waiting),
-            )
+        log.info(
+            "failover from %s: %d requests moved, %d waiting for an executor",
+            source,
+            len(moved),
+            len(self.waiting),
+        )
 
     def _fail(self, tracked: Tracked, error: Exception) -> None:
         tracked.queue.put_nowait(error)
-        self.metrics.request_finished("error", tracked)
+        count_finished(self.metrics, "error", tracked)
 
     # --- maintenance: waiting requests and the affinity bound --------------------------
 
@@ -405,25 +381,25 @@ class Engine:
         """Move requests an executor has held unadmitted past the bound to one that can
         start them now (so affinity, or a stale estimate, never holds a request back long),
         and every unadmitted request off a draining executor."""
-        healthy = [r for r in self.runners.values() if r.healthy]
-        for runner in self.runners.values():
-            if runner.state is RunnerState.DRAINING and healthy:
-                for tracked in runner.stale_waiting(float("inf")):
-                    runner.withdraw(tracked)
+        healthy = [s for s in self.sessions.values() if s.healthy]
+        for session in self.sessions.values():
+            if session.state is SessionState.DRAINING and healthy:
+                for tracked in session.stale_waiting(float("inf")):
+                    session.withdraw(tracked)
                     self.metrics.rebalanced()
                     if not self._place(tracked):
                         self._wait(tracked)
         if len(healthy) < 2:
             return
         cutoff = time.monotonic() - self.config.affinity_max_wait
-        for runner in healthy:
-            for tracked in runner.stale_waiting(cutoff):
+        for session in healthy:
+            for tracked in session.stale_waiting(cutoff):
                 n = tracked.request.num_tokens if tracked.request else 0
-                if not any(o is not runner and o.can_start_now(n) for o in healthy):
+                if not any(o is not session and o.can_start_now(n) for o in healthy):
                     break
-                runner.withdraw(tracked)
+                session.withdraw(tracked)
                 tracked.num_moves += 1
                 self.metrics.rebalanced()
-                if not self._place(tracked, exclude=runner, startable_only=True):
+                if not self._place(tracked, exclude=session.address, startable_only=True):
                     if not self._place(tracked):
                         self._wait(tracked)

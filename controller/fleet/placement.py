@@ -29,13 +29,12 @@ admitted within `affinity_max_wait` moves to one that can start it at once (`Eng
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from controller.core.request import RequestStatus
-
 if TYPE_CHECKING:
-    from controller.fleet.session import ExecutorRunner
+    from controller.core.snapshot import ExecutorSnapshot
 
 # Where the prior's second pseudo-step sits (tokens), so that the prior pins a slope.
 _PRIOR_TOKENS = 256
@@ -236,39 +235,29 @@ class PlacementPolicy:
         return PlacementDecision(best.key, "load", best.prefix_hit, best_latency, best_latency)
 
 
-def backlog_of(runner: ExecutorRunner, expected_output: float) -> tuple[int, int]:
-    """(tokens not computed yet, output tokens still expected) of the requests on a runner."""
-    uncomputed = decode = 0
-    for t in runner.tracked.values():
-        req = t.request
-        if req is not None:
-            done = req.num_computed_tokens
-            if req.status is RequestStatus.WAITING:  # its prefix hit will be reused
-                done = max(done, t.expected_hit)
-            uncomputed += max(req.num_tokens - done, 0)
-            decode += min(req.max_tokens - req.num_output_tokens, int(expected_output))
-    return uncomputed, decode
-
-
-def candidate_of(
-    runner: ExecutorRunner, hashes: list[bytes], num_tokens: int, expected_output: float
-) -> Candidate:
-    """A runner as a placement candidate for a sequence with these block hashes."""
-    assert runner.scheduler is not None
-    stats = runner.scheduler.stats()
-    overhead, per_token = runner.cost.coefficients()
-    uncomputed, decode = backlog_of(runner, expected_output)
+def candidate_of(snap: ExecutorSnapshot, prefix_hit: int) -> Candidate:
+    """An executor, from its snapshot, as a candidate for a request of which `prefix_hit`
+    tokens are cached (or queued) there."""
     return Candidate(
-        key=runner.address,
-        prefix_hit=runner.prefix_hit(hashes, num_tokens),
-        num_requests=len(runner.tracked),
-        uncomputed_tokens=uncomputed,
-        decode_tokens=decode,
-        max_num_seqs=runner.scheduler.config.max_num_seqs,
-        max_num_batched_tokens=runner.max_num_batched_tokens,
-        free_blocks=runner.num_blocks - 1 - stats.num_used_blocks,
-        block_size=runner.block_size,
-        overhead=overhead,
-        per_token=per_token,
-        placed=runner.requests_placed,
+        key=snap.address,
+        prefix_hit=prefix_hit,
+        num_requests=snap.requests,
+        uncomputed_tokens=snap.uncomputed_tokens,
+        decode_tokens=snap.decode_tokens,
+        max_num_seqs=snap.max_num_seqs,
+        max_num_batched_tokens=snap.max_num_batched_tokens,
+        free_blocks=snap.free_blocks,
+        block_size=snap.block_size,
+        overhead=snap.overhead,
+        per_token=snap.per_token,
+        placed=snap.requests_placed,
     )
+
+
+def mean_step_cost(snapshots: Iterable[ExecutorSnapshot]) -> tuple[float, float] | None:
+    """(overhead, per_token) averaged over the executors whose step cost has been measured;
+    None when none has (a new executor's prior: the fleet's average)."""
+    fitted = [(s.overhead, s.per_token) for s in snapshots if s.measured_steps > 0]
+    if not fitted:
+        return None
+    return (sum(f[0] for f in fitted) / len(fitted), sum(f[1] for f in fitted) / len(fitted))

@@ -1,13 +1,14 @@
 """One executor session: connection, handshake, health checks, scheduler and step loop.
 
-An `ExecutorRunner` lives from the moment the controller learns an executor's address until
+An `ExecutorSession` lives from the moment the controller learns an executor's address until
 the address leaves discovery. It connects (health check, then the handshake), builds a fresh
 scheduler and block pool for the executor's KV cache, and drives steps while health checks run
 beside it. A broken stream, a step past its deadline or failed health checks make the executor
-lost: its requests are handed back to the engine (which moves them elsewhere) and the runner
+lost: its requests are handed back to the owner (which moves them elsewhere) and the session
 reconnects with backoff. Every successful handshake reinitializes the executor's KV cache, so
-the runner always starts with an empty pool; a new incarnation id also tells it the process
-restarted.
+the session always starts with an empty pool; a new incarnation id also tells it the process
+restarted. It reports only through the `SessionOwner` it is given, and shows itself to the rest
+of the controller as `ExecutorSnapshot`s.
 """
 
 from __future__ import annotations
@@ -16,31 +17,28 @@ import asyncio
 import enum
 import logging
 import time
-from collections import Counter, deque
 from typing import TYPE_CHECKING
 
-from common.wire.config import DeviceInfo
-from controller.core.request import RequestStatus
-from controller.core.scheduler import (
-    RequestUpdate,
-    Scheduler,
-    SchedulerBase,
-    SchedulerConfig,
-    load_scheduler_class,
-)
-from controller.fleet.client import ExecutorClient, ExecutorLost
+from controller.core.snapshot import ExecutorSnapshot
+from controller.fleet.client import ChannelSecurity, ExecutorClient, ExecutorLost, grpc_status_of
+from controller.fleet.handshake import describe, handshake, new_scheduler
 from controller.fleet.health import HealthMonitor
+from controller.fleet.placed import PlacedRequests
 from controller.fleet.placement import StepCostModel
-from controller.fleet.tracked import Tracked, deliver, hold_quietly, make_delta
+from controller.fleet.steps import StepLoop
+from controller.fleet.tracked import Tracked, count_finished
 
 if TYPE_CHECKING:
-    from common.wire.step_types import StepInput
-    from controller.fleet.engine import Engine
+    from common.wire.config import DeviceInfo
+    from controller.core.scheduler import SchedulerBase
+    from controller.fleet.owner import SessionOwner
+    from controller.observe.metrics import EngineMetrics, ExecutorSeries
+    from controller.settings import ControllerConfig
 
 log = logging.getLogger(__name__)
 
 
-class RunnerState(enum.Enum):
+class SessionState(enum.Enum):
     """Where an executor session stands."""
 
     CONNECTING = "connecting"  # first handshake not done yet
@@ -50,23 +48,33 @@ class RunnerState(enum.Enum):
     REMOVED = "removed"  # gone for good
 
 
-class ExecutorRunner:
-    """One executor: client, health checks, scheduler and the step loop that drives it."""
+class ExecutorSession(StepLoop):
+    """One executor: client, health checks, scheduler and the step loop that drives it (its
+    base class, steps.py)."""
 
-    def __init__(self, engine: Engine, address: str, source: str = "static"):
-        cfg = engine.config
-        self.engine = engine  # the owning engine
+    def __init__(
+        self,
+        owner: SessionOwner,
+        config: ControllerConfig,
+        metrics: EngineMetrics,
+        address: str,
+        source: str = "static",
+        security: ChannelSecurity | None = None,
+    ):
+        self.owner = owner  # told about readiness, finished and moved requests, the end
+        self.config = config  # controller configuration
+        self.metrics = metrics  # where its events are counted
         self.address = address  # host:port
         self.source = source  # how it was found: static, dns or file
-        self.client = ExecutorClient(address, cfg.step_timeout, engine.executor_security)
+        self.client = ExecutorClient(address, config.step_timeout, security)
         self.scheduler: SchedulerBase | None = None  # rebuilt by every handshake
         self.info: DeviceInfo | None = None  # the latest InitDevice answer
         self.num_blocks = 0  # KV blocks on the device
         self.max_num_batched_tokens = 0  # this executor's step budget
-        self.state = RunnerState.CONNECTING  # see RunnerState
+        self.state = SessionState.CONNECTING  # see SessionState
         self.state_since = time.monotonic()  # when state last changed
         self.leaving = False  # left discovery: drain, then stop
-        self.tracked: dict[str, Tracked] = {}  # requests placed here
+        self.tracked = PlacedRequests()  # requests placed here, by id
         self.cost = StepCostModel()  # measured step times
         self.last_loss = ""  # why it was last lost
         self.connect_error = ""  # why the current connection attempts fail ("" once connected)
@@ -76,14 +84,14 @@ class ExecutorRunner:
         self.requests_placed = 0  # requests placed here (moves included)
         self.steps = 0  # steps run
         self.tokens = 0  # tokens computed
-        self._queued: Counter[bytes] = Counter()  # block hashes of requests placed here
-        self._base_prefix = (0, 0)  # prefix-cache (queries, hits) of earlier sessions
+        self._base_prefix = (0, 0)  # prefix-cache (queries, hits) of earlier connections
+        self._series: ExecutorSeries | None = None  # bound on first use (see `series`)
         self._wake = asyncio.Event()  # set when work arrives or the session must end
         self.health = HealthMonitor(
             self.client,
-            cfg.health_check_interval,
-            cfg.health_check_timeout,
-            cfg.health_check_failures,
+            config.health_check_interval,
+            config.health_check_timeout,
+            config.health_check_failures,
             on_lost=self._wake.set,
         )  # judges the session lost
         self._task: asyncio.Task | None = None  # the lifecycle
@@ -93,7 +101,7 @@ class ExecutorRunner:
     @property
     def healthy(self) -> bool:
         """Connected and taking new work."""
-        return self.state is RunnerState.HEALTHY
+        return self.state is SessionState.HEALTHY
 
     @property
     def block_size(self) -> int:
@@ -116,24 +124,66 @@ class ExecutorRunner:
 
     def prefix_hit(self, hashes: list[bytes], num_tokens: int) -> int:
         """Tokens of a sequence with these block hashes cached here or queued here (exact)."""
-        if self.scheduler is None or not self.engine.config.enable_prefix_caching:
+        if self.scheduler is None or not self.config.enable_prefix_caching:
             return 0
         cached = self.scheduler.peek_prefix_hit(hashes, num_tokens)
         usable = max(num_tokens - 1, 0) // self.block_size
-        queued = 0
-        for block_hash in hashes[:usable]:
-            if block_hash not in self._queued:
-                break
-            queued += 1
-        return max(cached, queued * self.block_size)
+        return max(cached, self.tracked.queued_blocks(hashes, usable) * self.block_size)
 
-    def prefix_counters(self) -> tuple[int, int]:
-        """Prefix-cache (queries, hits) in tokens, over every session with this executor."""
-        s = self.scheduler.stats() if self.scheduler else None
-        return (
-            self._base_prefix[0] + (s.prefix_cache_queries if s else 0),
-            self._base_prefix[1] + (s.prefix_cache_hits if s else 0),
+    def snapshot(self, expected_output: float = 0.0) -> ExecutorSnapshot:
+        """This executor now, for placement, reports and metrics (`expected_output` caps each
+        request's expected output tokens in `decode_tokens`)."""
+        sched, info, cost = self.scheduler, self.info, self.cost
+        stats = sched.stats() if sched is not None else None
+        overhead, per_token = cost.coefficients()
+        uncomputed, decode = self.tracked.backlog(expected_output)
+        queries, hits = self._base_prefix
+        return ExecutorSnapshot(
+            address=self.address,
+            source=self.source,
+            kind=info.device_kind if info else None,
+            device=info.device_name if info else None,
+            incarnation=info.incarnation_id if info else None,
+            incarnations=self.incarnations,
+            state=self.state.value,
+            healthy=self.healthy,
+            state_since=self.state_since,
+            connected=sched is not None,
+            max_num_seqs=sched.config.max_num_seqs if sched is not None else 0,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            requests=len(self.tracked),
+            running=stats.num_running if stats else 0,
+            waiting=stats.num_waiting if stats else 0,
+            uncomputed_tokens=uncomputed,
+            decode_tokens=decode,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            used_blocks=stats.num_used_blocks if stats else 0,
+            kv_usage=stats.kv_usage if stats else 0.0,
+            overhead=overhead,
+            per_token=per_token,
+            tokens_per_second=cost.tokens_per_second,
+            measured_steps=cost.steps,
+            steps=self.steps,
+            tokens=self.tokens,
+            requests_placed=self.requests_placed,
+            prefix_cache_queries=queries + (stats.prefix_cache_queries if stats else 0),
+            prefix_cache_hits=hits + (stats.prefix_cache_hits if stats else 0),
+            losses=self.losses,
+            reconnects=self.reconnects,
+            last_loss=self.last_loss,
+            connect_error=self.connect_error,
         )
+
+    @property
+    def series(self) -> ExecutorSeries:
+        """Its metric series, bound on first use and again after each handshake (another
+        device, another accelerator label, may answer at this address)."""
+        series = self._series
+        if series is None:
+            kind = self.info.device_kind if self.info is not None else "unknown"
+            series = self._series = self.metrics.series(self.address, kind)
+        return series
 
     def can_start_now(self, num_tokens: int) -> bool:
         """Whether a request would be admitted by the next step (room, blocks, empty queue)."""
@@ -150,13 +200,7 @@ class ExecutorRunner:
 
     def stale_waiting(self, placed_before: float) -> list[Tracked]:
         """Requests never admitted here that were placed before `placed_before` (monotonic)."""
-        return [
-            t
-            for t in self.tracked.values()
-            if t.request is not None
-            and t.request.status is RequestStatus.WAITING
-            and t.placed_at < placed_before
-        ]
+        return self.tracked.stale_waiting(placed_before)
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -182,26 +226,26 @@ class ExecutorRunner:
             self.state.value,
             len(self.tracked),
         )
-        if self.state is RunnerState.HEALTHY:
-            self._set_state(RunnerState.DRAINING)
+        if self.state is SessionState.HEALTHY:
+            self._set_state(SessionState.DRAINING)
         self._wake.set()
-        if self.state is not RunnerState.DRAINING and self._task is not None:
+        if self.state is not SessionState.DRAINING and self._task is not None:
             self._task.cancel()  # not connected: nothing to drain (it holds no request)
 
     def rejoin(self) -> bool:
         """The address is back in discovery while draining: take work again."""
-        if not self.leaving or self.state is not RunnerState.DRAINING:
+        if not self.leaving or self.state is not SessionState.DRAINING:
             return False
         self.leaving = False
-        self._set_state(RunnerState.HEALTHY)
+        self._set_state(SessionState.HEALTHY)
         return True
 
-    def _set_state(self, state: RunnerState) -> None:
+    def _set_state(self, state: SessionState) -> None:
         if state is not self.state:
             self.state, self.state_since = state, time.monotonic()
 
     async def _lifecycle(self) -> None:
-        cfg = self.engine.config
+        cfg = self.config
         delay = cfg.reconnect_backoff_min
         try:
             while not self.leaving:
@@ -209,7 +253,7 @@ class ExecutorRunner:
                 try:
                     await self._connect()
                 except Exception as exc:  # not up yet, or failing: retry
-                    self.engine.metrics.call_failed(self, exc)
+                    self._count_failure(exc)
                     error = repr(exc)[:300]
                     level = logging.INFO if error != self.connect_error else logging.DEBUG
                     log.log(level, "executor %s: not connected (%s); retrying", self.address, error)
@@ -221,8 +265,9 @@ class ExecutorRunner:
                 self.health.start()
                 try:
                     await self._run_steps()  # returns once drained
+                    self._set_state(SessionState.REMOVED)  # drained: too late to rejoin
                 except ExecutorLost as exc:
-                    self.engine.metrics.call_failed(self, exc)
+                    self._count_failure(exc)
                     self._on_lost(str(exc))
                 except Exception as exc:  # a bug must not strand the requests placed here
                     log.exception("executor %s: step loop failed", self.address)
@@ -230,68 +275,57 @@ class ExecutorRunner:
                 finally:
                     await self.health.stop()
         finally:
-            self._set_state(RunnerState.REMOVED)
-            self.engine.runner_removed(self)
+            self._set_state(SessionState.REMOVED)
+            self.owner.session_removed(self.address)
             await self.client.close()
+
+    def _count_failure(self, exc: BaseException) -> None:
+        """Count the gRPC status behind a failure (nothing for other failures)."""
+        code = grpc_status_of(exc)
+        if code:
+            self.metrics.grpc_error(self.series, code)
 
     async def _connect(self) -> None:
         """Health check, handshake, fresh scheduler; then take work."""
-        cfg = self.engine.config
+        cfg = self.config
         status = await self.client.check_health(cfg.health_check_timeout)
         if status != "SERVING":
             if status == "UNREACHABLE":  # the health call itself failed
-                self.engine.metrics.grpc_error(self, status)
+                self.metrics.grpc_error(self.series, status)
             raise ExecutorLost(f"health: {status}")
-        hs = await self.client.handshake(
-            cfg.max_num_batched_tokens,
-            cfg.max_num_seqs,
-            cfg.max_model_len,
-            cfg.seed,
-            cfg.num_kv_blocks,
-            cfg.kind_limits,
-            timeout=cfg.executor_startup_timeout,
-        )
-        self.engine.check_compatible(self, hs.info)
-        sched_cfg = SchedulerConfig.for_executor(cfg, hs.info, hs.num_blocks)
-        cls = load_scheduler_class(cfg.scheduler_class) if cfg.scheduler_class else Scheduler
+        hs = await handshake(self.client, cfg)
+        self.owner.check_compatible(self.address, hs.info)
         self._retire_scheduler()
-        self.scheduler = cls(sched_cfg)
-        self.max_num_batched_tokens = sched_cfg.max_num_batched_tokens
+        self.scheduler = new_scheduler(cfg, hs.info, hs.num_blocks)
+        self.max_num_batched_tokens = self.scheduler.config.max_num_batched_tokens
         restarted = self.info is None or self.info.incarnation_id != hs.info.incarnation_id
         if restarted:
             self.incarnations += 1
-        if self.state is not RunnerState.CONNECTING:
+        if self.state is not SessionState.CONNECTING:
             self.reconnects += 1
-            self.engine.metrics.executor_reconnected(self)
+            self.metrics.executor_reconnected(self.series)
         if self.info is not None and (self.info.device_kind, self.info.device_name) != (
             hs.info.device_kind,
             hs.info.device_name,
         ):
             self.cost = StepCostModel()  # another device now answers at this address
         if self.cost.steps == 0:
-            self.cost.set_prior(*self.engine.fleet_cost_prior(self))
+            prior = self.owner.cost_prior(self.address)
+            if prior is not None:
+                self.cost.set_prior(*prior)
         self.info, self.num_blocks = hs.info, hs.num_blocks
+        self._series = None  # rebound on next use: the accelerator label may have changed
         self.connect_error = ""
-        self._queued.clear()
-        self.engine.metrics.scheduler_reset(self.address)
+        self.metrics.scheduler_reset(self.address)
         log.info(
-            "executor %s: %s (%s), incarnation %s%s, %d KV blocks of %d tokens, %d tokens/step, "
-            "warm-up %.1fs",
-            self.address,
-            hs.info.device_kind,
-            hs.info.device_name,
-            hs.info.incarnation_id[:8],
-            " (new)" if restarted else " (same process)",
-            hs.num_blocks,
-            hs.info.kv_cache.block_size,
-            sched_cfg.max_num_batched_tokens,
-            hs.warmup_seconds,
+            "executor %s: %s", self.address, describe(hs, restarted, self.max_num_batched_tokens)
         )
-        self._set_state(RunnerState.DRAINING if self.leaving else RunnerState.HEALTHY)
-        self.engine.runner_ready(self)
+        self._set_state(SessionState.DRAINING if self.leaving else SessionState.HEALTHY)
+        self.owner.session_ready(self.address)
 
     def _on_lost(self, reason: str) -> None:
-        """Hand every request back to the engine (it moves them) and drop the session.
+        """Hand every request back to the owner (it moves them) and drop the connection's
+        scheduler.
 
         Synchronous on purpose: no request can be left between two owners. The channel is
         closed by the next connection attempt.
@@ -301,16 +335,19 @@ class ExecutorRunner:
         log.warning(
             "executor %s lost: %s; moving %d requests", self.address, reason, len(self.tracked)
         )
-        self.engine.metrics.executor_lost(self)
-        self._set_state(RunnerState.UNHEALTHY)
+        self.metrics.executor_lost(self.series)
+        self._set_state(SessionState.UNHEALTHY)
         moved = list(self.tracked.values())
         for tracked in moved:
-            self._detach(tracked)
+            self.tracked.remove(tracked)
         self._retire_scheduler()
-        self.engine.relocate(moved, source=self, failover=True)
+        if moved:
+            self.metrics.failed_over(self.series, len(moved))
+        self.owner.relocate(moved, self.address)
 
     def _retire_scheduler(self) -> None:
-        """Drop the session's scheduler (its blocks mean nothing now), keeping its counters."""
+        """Drop the connection's scheduler (its blocks mean nothing now), keeping its
+        counters."""
         if self.scheduler is not None:
             s = self.scheduler.stats()
             self._base_prefix = (
@@ -325,27 +362,15 @@ class ExecutorRunner:
         """Queue a placed request here; ValueError if the scheduler can never run it."""
         assert self.scheduler is not None and tracked.request is not None
         self.scheduler.add_request(tracked.request)
-        rid = tracked.gen.request_id
-        self.tracked[rid] = tracked
-        tracked.runner = self
-        tracked.placed_at = time.monotonic()
-        self._queued.update(tracked.queued_hashes)
+        self.tracked.place(tracked, self.address)
         self.requests_placed += 1
         self._wake.set()
-
-    def _detach(self, tracked: Tracked) -> None:
-        if self.tracked.pop(tracked.gen.request_id, None) is not None:
-            self._queued.subtract(tracked.queued_hashes)
-            for block_hash in tracked.queued_hashes:
-                if self._queued[block_hash] <= 0:
-                    del self._queued[block_hash]
-            tracked.runner = None
 
     def withdraw(self, tracked: Tracked) -> None:
         """Take back a request that was never admitted here (to place it elsewhere)."""
         if self.scheduler is not None:
             self.scheduler.finish_requests([tracked.gen.request_id], "abort")
-        self._detach(tracked)
+        self.tracked.remove(tracked)
 
     def abort(self, tracked: Tracked) -> None:
         """The client went away: finish the request and free its blocks."""
@@ -353,85 +378,7 @@ class ExecutorRunner:
             return
         if self.scheduler is not None:
             self.scheduler.finish_requests([tracked.gen.request_id], "abort")
-        self._detach(tracked)
+        self.tracked.remove(tracked)
         log.info("request %s aborted (client gone)", tracked.gen.request_id)
-        self.engine.metrics.request_finished("abort", tracked, runner=self)
+        count_finished(self.metrics, "abort", tracked, series=self.series)
         self._wake.set()
-
-    # --- the step loop -----------------------------------------------------------------
-
-    async def _run_steps(self) -> None:
-        """Schedule, send and apply steps until the session is lost (or drained).
-
-        Up to `pipeline_depth` steps are in flight: the next one is scheduled and sent while
-        the executor runs the previous one, so the device never waits for the controller."""
-        sched = self.scheduler
-        assert sched is not None
-        depth = self.engine.config.pipeline_depth if sched.supports_pipelining else 1
-        target = self.engine.config.step_time_target
-        inflight: deque[tuple[StepInput, float]] = deque()  # sent steps, oldest first
-        last_done = 0.0  # when the previous result arrived
-        while True:
-            self.health.check()
-            if self.leaving and not self.tracked and not inflight:
-                self._set_state(RunnerState.REMOVED)  # drained: too late to rejoin
-                return
-            if len(inflight) < max(depth, 1) and sched.has_unfinished_requests():
-                if target > 0:  # a slow device's steps kept short (StepCostModel.step_budget)
-                    sched.token_budget = self.cost.step_budget(
-                        target, sched.config.max_num_batched_tokens, sched.num_running + 1
-                    )
-                step = sched.schedule()
-                if step.num_requests:
-                    sent = time.perf_counter()
-                    self.engine.metrics.step_sent(self, step, sent)
-                    await self.health.guard(self.client.send_step(step))
-                    inflight.append((step, sent))
-                    continue
-            if not inflight:
-                # Idle, or nothing fits now (e.g. waiting for blocks): let other tasks run.
-                self._wake.clear()
-                if not sched.has_unfinished_requests():
-                    await self._wake.wait()
-                    continue
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=0.05)
-                except TimeoutError:
-                    pass
-                continue
-            step, sent = inflight.popleft()
-            output = await self.health.guard(self.client.receive_result(step))
-            updates = sched.update_from_output(step, output)
-            now = time.perf_counter()
-            seconds = now - max(sent, last_done)  # the executor's time on this step
-            last_done = now
-            num_tokens = step.num_scheduled_tokens
-            self.cost.observe(num_tokens, seconds)
-            self.steps += 1
-            self.tokens += num_tokens
-            for update in updates:
-                self._emit(update, now)
-            self.engine.metrics.step_done(
-                self, num_tokens, step.num_requests, seconds, sched.stats()
-            )
-
-    def _emit(self, update: RequestUpdate, now: float) -> None:
-        tracked = self.tracked.get(update.request_id)
-        if tracked is None or tracked.request is None:
-            return
-        metrics = self.engine.metrics
-        if update.new_token_ids:
-            metrics.tokens_generated(self, tracked, len(update.new_token_ids), now)
-            if tracked.lost_at:
-                metrics.failover_resumed(self, now - tracked.lost_at)
-                tracked.lost_at = 0.0
-        if hold_quietly(tracked, update):
-            return
-        delta = make_delta(tracked, update)
-        if delta.finished and not update.finished:  # a stop string matched
-            assert self.scheduler is not None
-            self.scheduler.finish_requests([update.request_id], "stop")
-        deliver(tracked, delta)
-        if delta.finished:
-            self._detach(tracked)
-            self.engine.request_done(tracked, delta.finish_reason, self, now)

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import InitVar, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from controller.core.outputs import GenerationRequest, OutputDelta, absorb
 from controller.core.request import Request
 from controller.core.scheduler import RequestUpdate
+from controller.observe.metrics import EngineMetrics, ExecutorSeries, RequestStats
 from controller.text.detokenizer import OutputTextState
 
 if TYPE_CHECKING:
-    from controller.fleet.session import ExecutorRunner
+    from controller.text.tokenizer import Tokenizer
 
 
 @dataclass(eq=False)
@@ -24,16 +25,13 @@ class Tracked:
     queue: asyncio.Queue  # OutputDelta items (or an exception) for the API handler
     text: OutputTextState  # incremental detokenizer + stop strings
     request: Request | None  # the scheduler's request (a new one on every placement)
-    arrival: float  # perf_counter at arrival
+    arrival: InitVar[float]  # perf_counter at arrival (kept in `stats`)
     arrival_time: float = field(default_factory=time.monotonic)  # kept across moves (FCFS)
-    scheduled_at: float = 0.0  # perf_counter when first scheduled (queue time ends)
-    first_token_at: float = 0.0  # perf_counter of the first token
-    last_token_at: float = 0.0  # perf_counter of the latest token
     prompt_logprobs_sent: int = 0  # prompt positions already streamed
     prompt_logprobs_skip: int = 0  # positions a resumed request recomputes and must not resend
-    runner: ExecutorRunner | None = None  # where it is placed; None while waiting for one
+    placed_on: str | None = None  # address of the executor it is placed on; None: waiting
     placed_at: float = 0.0  # monotonic time of its latest placement
-    queued_hashes: list[bytes] = field(default_factory=list)  # its blocks announced to runner
+    queued_hashes: list[bytes] = field(default_factory=list)  # its blocks announced there
     expected_hit: int = 0  # tokens placement found cached for it there (admission reuses them)
     num_moves: int = 0  # times moved to another executor (failover or rebalance)
     lost_at: float = 0.0  # perf_counter when its executor was lost; 0 once resumed
@@ -45,11 +43,67 @@ class Tracked:
     quiet: bool = False  # delivered, and nothing but tokens can come before the end: steps
     # add tokens without building a delta (see `hold_quietly`)
     unsent_tokens: int = 0  # tokens no delta carried yet (the tail of the request's output)
+    stats: RequestStats = field(init=False)  # its timings for the latency metrics
+
+    def __post_init__(self, arrival: float) -> None:
+        self.stats = RequestStats(arrival, len(self.gen.prompt_token_ids))
 
     @property
     def output_token_ids(self) -> list[int]:
         """Tokens generated so far (across moves)."""
         return self.request.output_token_ids if self.request is not None else []
+
+
+def track(gen: GenerationRequest, tokenizer: Tokenizer) -> Tracked:
+    """A new request's state: its queue to the API handler, its detokenizer, its arrival."""
+    return Tracked(
+        gen=gen,
+        queue=asyncio.Queue(),
+        text=OutputTextState(
+            tokenizer,
+            gen.prompt_token_ids,
+            stop=gen.stop,
+            include_stop_str_in_output=gen.include_stop_str_in_output,
+            skip_special_tokens=gen.skip_special_tokens,
+            defer=not gen.stream,
+        ),
+        request=None,
+        arrival=time.perf_counter(),
+    )
+
+
+def scheduler_request(
+    gen: GenerationRequest, output_so_far: list[int], eos_token_ids: list[int], max_model_len: int
+) -> Request:
+    """The scheduler's Request for a generation request (resumed: with its output so far)."""
+    req = Request(
+        request_id=gen.request_id,
+        prompt_token_ids=gen.prompt_token_ids,
+        sampling=gen.sampling,
+        max_tokens=gen.max_tokens,
+        eos_token_ids=eos_token_ids,
+        stop_token_ids=gen.stop_token_ids,
+        ignore_eos=gen.ignore_eos,
+        min_tokens=gen.min_tokens,
+        priority=gen.priority,
+        max_model_len=max_model_len,
+    )
+    if output_so_far:
+        req.output_token_ids = list(output_so_far)
+    return req
+
+
+def count_finished(
+    metrics: EngineMetrics,
+    reason: str | None,
+    tracked: Tracked,
+    now: float | None = None,
+    series: ExecutorSeries | None = None,
+) -> None:
+    """Count a request's end in the metrics (on its executor's series; None: on none)."""
+    req = tracked.request
+    output = req.num_output_tokens if req is not None else None
+    metrics.request_finished(reason, tracked.stats, output, now, series)
 
 
 def hold_quietly(tracked: Tracked, update: RequestUpdate) -> bool:

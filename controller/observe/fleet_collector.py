@@ -4,29 +4,38 @@ Fleet-wide, one series per model, under vLLM's names: running and waiting reques
 usage (what endpoint pickers and autoscalers read). Per executor, under `tandem:` names with
 `executor` and `accelerator` labels: health, running and waiting requests, KV blocks and usage,
 and vLLM's `cache_config_info`. Executors by accelerator kind and state.
+
+The collector reads executor snapshots through a callable it is given (the engine's), so it
+knows nothing of the engine or its sessions.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from controller.fleet.engine import Engine
+    from controller.core.snapshot import ExecutorSnapshot
+
+# Yields the fleet at scrape time: a snapshot per executor, and how many requests wait for an
+# executor (none can take them now).
+FleetReader = Callable[[], "tuple[Iterable[ExecutorSnapshot], int]"]
 
 STATES = ("connecting", "healthy", "unhealthy", "draining")
 ACCELERATORS = ("gpu", "tpu", "cpu")
 
 
 class FleetCollector(Collector):
-    """Reads the engine's runners and schedulers at scrape time."""
+    """Reads the fleet's executor snapshots at scrape time."""
 
-    def __init__(self, engine: Engine, model_name: str):
-        self.engine = engine  # whose fleet is described
+    def __init__(self, read_fleet: FleetReader, model_name: str, prefix_caching: bool):
+        self.read_fleet = read_fleet  # the fleet now: snapshots, requests waiting for one
         self.model_name = model_name  # value of the model_name label
+        self.prefix_caching = str(prefix_caching)  # the enable_prefix_caching label
 
     def collect(self):
         m = self.model_name
@@ -78,38 +87,30 @@ class FleetCollector(Collector):
         )
         counts: Counter[tuple[str, str]] = Counter()
         total_running = total_waiting = used_blocks = all_blocks = 0
-        for runner in list(self.engine.runners.values()):
-            kind = runner.info.device_kind if runner.info is not None else "unknown"
-            counts[(kind, runner.state.value)] += 1
-            labels = [m, runner.address, kind]
-            healthy.add_metric(labels, 1.0 if runner.healthy else 0.0)
-            sched = runner.scheduler
-            if sched is None:
+        snapshots, queued = self.read_fleet()
+        for snap in snapshots:
+            kind = snap.kind if snap.kind is not None else "unknown"
+            counts[(kind, snap.state)] += 1
+            labels = [m, snap.address, kind]
+            healthy.add_metric(labels, 1.0 if snap.healthy else 0.0)
+            if not snap.connected:
                 continue
-            s = sched.stats()
-            blocks = max(runner.num_blocks - 1, 0)
-            total_running += s.num_running
-            total_waiting += s.num_waiting
-            used_blocks += s.num_used_blocks
+            blocks = max(snap.num_blocks - 1, 0)
+            total_running += snap.running
+            total_waiting += snap.waiting
+            used_blocks += snap.used_blocks
             all_blocks += blocks
-            ex_running.add_metric(labels, s.num_running)
-            ex_waiting.add_metric(labels, s.num_waiting)
-            ex_usage.add_metric(labels, s.kv_usage)
-            ex_blocks.add_metric(labels + ["used"], s.num_used_blocks)
+            ex_running.add_metric(labels, snap.running)
+            ex_waiting.add_metric(labels, snap.waiting)
+            ex_usage.add_metric(labels, snap.kv_usage)
+            ex_blocks.add_metric(labels + ["used"], snap.used_blocks)
             ex_blocks.add_metric(labels + ["total"], blocks)
             info.add_metric(
-                labels
-                + [
-                    str(runner.block_size),
-                    str(runner.num_blocks),
-                    str(self.engine.config.enable_prefix_caching),
-                ],
-                1.0,
+                labels + [str(snap.block_size), str(snap.num_blocks), self.prefix_caching], 1.0
             )
         for kind in sorted(set(ACCELERATORS) | {k for k, _ in counts}):
             for state in STATES:
                 kinds.add_metric([m, kind, state], counts.get((kind, state), 0))
-        queued = len(self.engine.waiting)
         running.add_metric([m], total_running)
         waiting.add_metric([m], total_waiting + queued)
         usage.add_metric([m], used_blocks / all_blocks if all_blocks else 0.0)

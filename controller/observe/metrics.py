@@ -8,6 +8,10 @@ endpoint picker or autoscaler reads (`vllm:num_requests_running`, `vllm:num_requ
 `vllm:kv_cache_usage_perc`) are fleet-wide, one series per model; their per-executor values are
 `tandem:executor_*` gauges, computed at scrape time (see controller/observe/fleet_collector.py).
 Counters are exposed with a `_total` suffix by prometheus_client.
+
+Nothing here knows the fleet: events carry plain values, a request's `RequestStats`, and the
+`ExecutorSeries` handle an executor session binds once (and again when its accelerator label
+changes), so the per-step and per-token path does no label lookup.
 """
 
 from __future__ import annotations
@@ -19,14 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 
-from controller.fleet.client import grpc_status_of
-from controller.observe.fleet_collector import FleetCollector
-
 if TYPE_CHECKING:
-    from common.wire.step_types import StepInput
-    from controller.fleet.engine import Engine
-    from controller.fleet.session import ExecutorRunner
-    from controller.fleet.tracked import Tracked
+    from controller.core.scheduler_base import SchedulerStats
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -73,6 +71,18 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 NO_EXECUTOR = "none"  # executor/accelerator label of events that happened on no executor
 _EXEC = ["model_name", "executor", "accelerator"]
 disable_created_metrics()  # no `_created` series: half the exposition, nothing reads them
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """What the metrics keep of one request across its executors: its prompt length and when
+    it reached each stage (perf_counter seconds; 0 = not yet)."""
+
+    arrival: float  # when the controller received it
+    prompt_tokens: int  # its prompt length, counted as prefilled at its first token
+    scheduled_at: float = 0.0  # first scheduled: its queue time ends (its session stamps it)
+    first_token_at: float = 0.0  # its first token
+    last_token_at: float = 0.0  # its latest token
 
 
 @dataclass
@@ -204,16 +214,11 @@ class EngineMetrics:
         self.rebalances.labels(model_name)
         self._series: dict[str, ExecutorSeries] = {}  # executor address -> its children
         self._none: ExecutorSeries | None = None  # events on no executor, bound on first use
-        self._last: dict[str, tuple[int, int, int]] = {}  # runner -> cumulative counters seen
+        self._last: dict[str, tuple[int, int, int]] = {}  # executor -> cumulative counters seen
         self._step_tokens = 0  # tokens of the step being applied, counted at its step_done
         self._step_itl: dict[float, int] = {}  # its inter-token latencies -> how many
 
-    def watch(self, engine: Engine) -> None:
-        """Add the scrape-time gauges of the engine's fleet."""
-        self.registry.register(FleetCollector(engine, self.model_name))
-
     # --- executor series --------------------------------------------------------------------
-
     def _bind(self, executor: str, accelerator: str) -> ExecutorSeries:
         labels = (self.model_name, executor, accelerator)
         s = ExecutorSeries(
@@ -245,91 +250,80 @@ class EngineMetrics:
         )
         return s
 
-    def series(self, runner: ExecutorRunner | None) -> ExecutorSeries:
-        """The children of a runner's executor (created, at zero, on first use)."""
-        if runner is None:
-            if self._none is None:
-                self._none = self._bind(NO_EXECUTOR, NO_EXECUTOR)
-            return self._none
-        accelerator = runner.info.device_kind if runner.info is not None else "unknown"
-        s = self._series.get(runner.address)
+    def series(self, executor: str, accelerator: str) -> ExecutorSeries:
+        """The children of one executor's series (created, at zero, on first use). A session
+        binds it once and again when its accelerator label changes (another device answers)."""
+        s = self._series.get(executor)
         if s is None or s.accelerator != accelerator:
-            s = self._series[runner.address] = self._bind(runner.address, accelerator)
+            s = self._series[executor] = self._bind(executor, accelerator)
         return s
+
+    def _no_executor(self) -> ExecutorSeries:
+        if self._none is None:
+            self._none = self._bind(NO_EXECUTOR, NO_EXECUTOR)
+        return self._none
 
     # --- request events ---------------------------------------------------------------------
 
-    def step_sent(self, runner: ExecutorRunner, step: StepInput, now: float) -> None:
-        """A step went out: the time in the queue ends for requests scheduled the first time."""
-        queue_time = None
-        for new in step.new_requests:
-            tracked = runner.tracked.get(new.request_id)
-            if tracked is not None and not tracked.scheduled_at:
-                tracked.scheduled_at = now
-                queue_time = queue_time or self.series(runner).queue_time
-                queue_time.observe(now - tracked.arrival)
+    def request_scheduled(self, s: ExecutorSeries, queued_seconds: float) -> None:
+        """A request was scheduled the first time, after `queued_seconds` in queues."""
+        s.queue_time.observe(queued_seconds)
 
-    def tokens_generated(
-        self, runner: ExecutorRunner, tracked: Tracked, count: int, now: float
-    ) -> None:
+    def tokens_generated(self, s: ExecutorSeries, r: RequestStats, count: int, now: float) -> None:
         """A request got `count` tokens at `now`. The token count and the inter-token latency
         are folded in at the step's `step_done`: the requests of a decode step share one
         latency (the time since the previous step), observed once with their number."""
         self._step_tokens += count
-        if not tracked.first_token_at:
-            s = self.series(runner)
-            tracked.first_token_at = now
-            s.ttft.observe(now - tracked.arrival)
-            s.prompt_tokens.inc(len(tracked.gen.prompt_token_ids))
-            if tracked.scheduled_at:
-                s.prefill_time.observe(now - tracked.scheduled_at)
+        if not r.first_token_at:
+            r.first_token_at = now
+            s.ttft.observe(now - r.arrival)
+            s.prompt_tokens.inc(r.prompt_tokens)
+            if r.scheduled_at:
+                s.prefill_time.observe(now - r.scheduled_at)
         else:
-            gap = (now - tracked.last_token_at) / count
+            gap = (now - r.last_token_at) / count
             self._step_itl[gap] = self._step_itl.get(gap, 0) + 1
-        tracked.last_token_at = now
+        r.last_token_at = now
 
     def request_finished(
         self,
         reason: str | None,
-        tracked: Tracked | None = None,
+        r: RequestStats | None = None,
+        output_tokens: int | None = None,
         now: float | None = None,
-        runner: ExecutorRunner | None = None,
+        s: ExecutorSeries | None = None,
     ) -> None:
-        s = self.series(runner)
+        """A request ended (on executor series `s`; None: while on no executor)."""
+        if s is None:
+            s = self._no_executor()
         s.success.get(reason or "abort", s.success["abort"]).inc()
-        if tracked is not None:
+        if r is not None:
             now = now or time.perf_counter()
-            s.e2e.observe(now - tracked.arrival)
-            s.req_prompt.observe(len(tracked.gen.prompt_token_ids))
-            if tracked.request is not None:
-                s.req_gen.observe(tracked.request.num_output_tokens)
-            if tracked.first_token_at:
-                s.decode_time.observe(now - tracked.first_token_at)
+            s.e2e.observe(now - r.arrival)
+            s.req_prompt.observe(r.prompt_tokens)
+            if output_tokens is not None:
+                s.req_gen.observe(output_tokens)
+            if r.first_token_at:
+                s.decode_time.observe(now - r.first_token_at)
 
     # --- fleet events -----------------------------------------------------------------------
 
-    def executor_lost(self, runner: ExecutorRunner) -> None:
-        self.series(runner).lost.inc()
+    def executor_lost(self, s: ExecutorSeries) -> None:
+        s.lost.inc()
 
-    def executor_reconnected(self, runner: ExecutorRunner) -> None:
-        self.series(runner).reconnects.inc()
+    def executor_reconnected(self, s: ExecutorSeries) -> None:
+        s.reconnects.inc()
 
-    def grpc_error(self, runner: ExecutorRunner, code: str) -> None:
+    def grpc_error(self, s: ExecutorSeries, code: str) -> None:
         """A call to the executor failed with this gRPC status code (or UNREACHABLE)."""
-        s = self.series(runner)
         self.grpc_errors.labels(self.model_name, s.executor, s.accelerator, code).inc()
 
-    def call_failed(self, runner: ExecutorRunner, exc: BaseException) -> None:
-        """Count the gRPC status behind a failure (nothing for other failures)."""
-        code = grpc_status_of(exc)
-        if code:
-            self.grpc_error(runner, code)
+    def failed_over(self, s: ExecutorSeries, count: int) -> None:
+        """`count` requests were moved off the lost executor of series `s`."""
+        s.failovers.inc(count)
 
-    def failed_over(self, source: ExecutorRunner) -> None:
-        self.series(source).failovers.inc()
-
-    def failover_resumed(self, runner: ExecutorRunner, seconds: float) -> None:
-        self.series(runner).failover_pause.observe(seconds)
+    def failover_resumed(self, s: ExecutorSeries, seconds: float) -> None:
+        s.failover_pause.observe(seconds)
 
     def rebalanced(self) -> None:
         self.rebalances.labels(self.model_name).inc()
@@ -337,15 +331,19 @@ class EngineMetrics:
     def placed(self, reason: str) -> None:
         self.placements.labels(self.model_name, reason).inc()
 
-    def scheduler_reset(self, key: str) -> None:
+    def scheduler_reset(self, executor: str) -> None:
         """An executor's scheduler was rebuilt: its cumulative counters start over."""
-        self._last.pop(key, None)
+        self._last.pop(executor, None)
 
     def step_done(
-        self, runner: ExecutorRunner, num_tokens: int, num_requests: int, seconds: float, stats
+        self,
+        s: ExecutorSeries,
+        num_tokens: int,
+        num_requests: int,
+        seconds: float,
+        stats: SchedulerStats,
     ) -> None:
         """Observe a step and fold the scheduler's cumulative counters in."""
-        s = self.series(runner)
         if self._step_tokens:
             s.generation_tokens.inc(self._step_tokens)
             self._step_tokens = 0
@@ -355,7 +353,7 @@ class EngineMetrics:
         s.iteration_tokens.observe(num_tokens)
         s.step_seconds.observe(seconds)
         s.step_requests.observe(num_requests)
-        key = runner.address
+        key = s.executor
         prev = self._last.get(key, (0, 0, 0))
         cur = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
         if cur[0] < prev[0] or cur[2] < prev[2]:  # the scheduler was rebuilt

@@ -778,14 +778,11 @@ def _exported_metric_names() -> set[str]:
     from controller.observe.fleet_collector import FleetCollector
     from controller.observe.metrics import EngineMetrics
 
-    engine = SimpleNamespace(
-        runners={}, waiting={}, config=SimpleNamespace(enable_prefix_caching=True)
-    )
     worker = SimpleNamespace(device_kind="cpu", device_name="cpu", memory_usage=dict)
     ExecutorMetrics(worker)
     families = [
         *EngineMetrics("m").registry.collect(),
-        *FleetCollector(engine, "m").collect(),
+        *FleetCollector(lambda: ([], 0), "m", True).collect(),
         *(f for f in REGISTRY.collect() if f.name.startswith("tandem:")),
     ]
     names = set()

@@ -1,5 +1,5 @@
 """Fleet pieces without a model: the step-cost model, the placement policy, exact prefix
-affinity on a runner's block pool, the DNS stub resolver and discovery."""
+affinity on a session's block pool, the DNS stub resolver and discovery."""
 
 from __future__ import annotations
 
@@ -154,28 +154,22 @@ def test_an_executor_without_free_blocks_is_avoided():
     assert policy.choose(q, [full, roomy]).key == "roomy"
 
 
-# --- exact prefix affinity on a runner ------------------------------------------------------
+# --- exact prefix affinity on a session -----------------------------------------------------
 
 
-class _FakeEngine:
-    """Just what an ExecutorRunner reads from its engine outside a session."""
-
-    def __init__(self):
-        self.config = ControllerConfig(model="unused", executors=["127.0.0.1:1"])
-        self.executor_security = None  # plaintext channels
-
-
-def _runner_with_scheduler():
+def _session_with_scheduler():
     from common.wire.config import (
         Capabilities,
         DeviceInfo,
         KVCacheSpec,
         ModelGeometry,
     )
-    from controller.fleet.session import ExecutorRunner
+    from controller.fleet.session import ExecutorSession
+    from controller.observe.metrics import EngineMetrics
 
-    runner = ExecutorRunner(_FakeEngine(), "127.0.0.1:1")
-    runner.info = DeviceInfo(
+    config = ControllerConfig(model="unused", executors=["127.0.0.1:1"])
+    session = ExecutorSession(None, config, EngineMetrics("m"), "127.0.0.1:1")  # no owner needed
+    session.info = DeviceInfo(
         "inc",
         "cpu",
         "cpu",
@@ -183,20 +177,20 @@ def _runner_with_scheduler():
         KVCacheSpec(16, 64, "float32"),
         Capabilities(),
     )
-    runner.num_blocks = 64
-    runner.scheduler = Scheduler(SchedulerConfig(block_size=16, num_blocks=64))
-    return runner
+    session.num_blocks = 64
+    session.scheduler = Scheduler(SchedulerConfig(block_size=16, num_blocks=64))
+    return session
 
 
-def test_runner_prefix_hit_sees_cached_and_queued_blocks_exactly():
+def test_session_prefix_hit_sees_cached_and_queued_blocks_exactly():
     from common.wire.step_types import RequestStepOutput, StepOutput
     from controller.core.outputs import GenerationRequest
     from controller.fleet.tracked import Tracked
 
-    runner = _runner_with_scheduler()
+    session = _session_with_scheduler()
     prompt = list(range(1, 70))  # 4 full blocks + 5 tokens
     hashes = hash_token_blocks(prompt, 16)
-    assert runner.prefix_hit(hashes, len(prompt)) == 0
+    assert session.prefix_hit(hashes, len(prompt)) == 0
     gen = GenerationRequest("r1", prompt, SamplingParams(), max_tokens=4)
     tracked = Tracked(
         gen=gen,
@@ -206,22 +200,22 @@ def test_runner_prefix_hit_sees_cached_and_queued_blocks_exactly():
         arrival=0.0,
         queued_hashes=hashes,
     )
-    runner.add(tracked)
+    session.add(tracked)
     # Queued, not scheduled: the pool has nothing yet, but its blocks will be cached before
     # any later request is admitted, so placement already counts them.
-    assert runner.scheduler.peek_prefix_hit(hashes, len(prompt)) == 0
-    assert runner.prefix_hit(hashes, len(prompt)) == 64  # at most num_tokens - 1, whole blocks
+    assert session.scheduler.peek_prefix_hit(hashes, len(prompt)) == 0
+    assert session.prefix_hit(hashes, len(prompt)) == 64  # at most num_tokens - 1, whole blocks
     other = prompt[:40] + [99] * 30  # shares 2 full blocks, then differs
-    assert runner.prefix_hit(hash_token_blocks(other, 16), len(other)) == 32
-    step = runner.scheduler.schedule()
-    assert runner.scheduler.peek_prefix_hit(hashes, len(prompt)) == 64
-    runner.scheduler.update_from_output(
+    assert session.prefix_hit(hash_token_blocks(other, 16), len(other)) == 32
+    step = session.scheduler.schedule()
+    assert session.scheduler.peek_prefix_hit(hashes, len(prompt)) == 64
+    session.scheduler.update_from_output(
         step, StepOutput(step.step_id, [RequestStepOutput("r1", sampled_token_id=5)])
     )
-    runner.withdraw(tracked)  # gone: its announcement leaves, its computed blocks stay cached
-    assert not runner._queued and not runner.tracked
-    assert runner.prefix_hit(hashes, len(prompt)) == 64
-    assert runner.scheduler.stats().num_used_blocks == 0
+    session.withdraw(tracked)  # gone: its announcement leaves, its computed blocks stay cached
+    assert not session.tracked.queued and not session.tracked
+    assert session.prefix_hit(hashes, len(prompt)) == 64
+    assert session.scheduler.stats().num_used_blocks == 0
 
 
 # --- DNS stub resolver and discovery --------------------------------------------------------
