@@ -12,6 +12,7 @@ from common.settings import SettingError, TandemSettings, derived, setting
 from common.wire.rpc_token import read_token
 
 DEFAULT_EXECUTOR = "127.0.0.1:50051"  # the executor of a controller given no other
+API_KEY_ENV = "TANDEM_API_KEY"  # one more accepted API key (besides --api-key, --api-key-file)
 FLEET = "fleet: discovery, health, failover, placement"
 LIMITS = "limits: admission control and request size"
 AUTH = "authentication of API clients"
@@ -237,10 +238,6 @@ class ControllerConfig(TandemSettings):
 
     def finalize(self) -> None:
         """The served name, the default executor, the API keys and the executor token."""
-        # Imported here: the API package brings FastAPI, which the rest of this module's
-        # readers (the scheduler, the fleet) do not need.
-        from controller.api.auth import load_api_keys
-
         if not self.served_model_name:
             self.served_model_name = os.path.basename(os.path.normpath(self.model))
         if not (self.executors or self.executor_dns or self.executor_files):
@@ -254,3 +251,19 @@ class ControllerConfig(TandemSettings):
                 self.executor_token = read_token(self.auth_token_file)
             except (OSError, ValueError) as e:
                 raise SettingError("auth_token_file", str(e)) from None
+
+
+def load_api_keys(keys: list[str], files: list[str], environ=os.environ) -> list[str]:
+    """Every configured API key: the given ones, each file's lines (# comments skipped), and
+    $TANDEM_API_KEY (one key, added to the others)."""
+    found = [k.strip() for k in keys if k.strip()]
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    found.append(line)
+    env = environ.get(API_KEY_ENV, "").strip()
+    if env:
+        found.append(env)
+    return list(dict.fromkeys(found))

@@ -10,27 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 
 from controller.api.errors import APIError, error_response
 
-ENV_VAR = "TANDEM_API_KEY"
 DEFAULT_EXEMPT_PATHS = ("/health", "/metrics")
-
-
-def load_api_keys(keys: list[str], files: list[str], environ=os.environ) -> list[str]:
-    """Every configured key: the given ones, each file's lines, and $TANDEM_API_KEY."""
-    found = [k.strip() for k in keys if k.strip()]
-    for path in files:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    found.append(line)
-    env = environ.get(ENV_VAR, "").strip()
-    if env:
-        found.append(env)
-    return list(dict.fromkeys(found))
 
 
 def _digest(key: str) -> bytes:

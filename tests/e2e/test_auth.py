@@ -7,7 +7,8 @@ import httpx
 import openai
 import pytest
 
-from controller.api.auth import KeyChecker, bearer_token, load_api_keys
+from controller.api.auth import KeyChecker, bearer_token
+from controller.settings import load_api_keys
 from tests.support.processes import start_server
 
 KEYS = {"flag": "sk-flag-0123", "file": "sk-file-4567", "env": "sk-env-89ab"}
