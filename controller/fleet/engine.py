@@ -144,6 +144,7 @@ class Engine:
             req.num_cached_tokens,
             req.num_output_tokens,
             now - tracked.stats.arrival,
+            extra=tracked.log_extra,
         )
 
     def check_compatible(self, address: str, info: DeviceInfo) -> None:
@@ -301,6 +302,7 @@ class Engine:
             decision.prefix_hit,
             decision.latency,
             decision.balance_latency,
+            extra=tracked.log_extra,
         )
         return True
 
@@ -312,6 +314,7 @@ class Engine:
             "request %s waits for a healthy executor (%s)",
             tracked.gen.request_id,
             self.fleet_summary(),
+            extra=tracked.log_extra,
         )
 
     def relocate(self, moved: list[Tracked], source: str) -> None:
@@ -374,6 +377,7 @@ class Engine:
                     "request %s failed: no healthy executor for %.0fs",
                     rid,
                     now - tracked.waiting_since,
+                    extra=tracked.log_extra,
                 )
                 self._fail(tracked, NoExecutorError(self.no_executor_message()))
 

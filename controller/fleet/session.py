@@ -379,6 +379,8 @@ class ExecutorSession(StepLoop):
         if self.scheduler is not None:
             self.scheduler.finish_requests([tracked.gen.request_id], "abort")
         self.tracked.remove(tracked)
-        log.info("request %s aborted (client gone)", tracked.gen.request_id)
+        log.info(
+            "request %s aborted (client gone)", tracked.gen.request_id, extra=tracked.log_extra
+        )
         count_finished(self.metrics, "abort", tracked, series=self.series)
         self._wake.set()

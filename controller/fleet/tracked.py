@@ -7,6 +7,7 @@ import time
 from dataclasses import InitVar, dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from common.wire.request_ids import request_id_of
 from controller.core.outputs import GenerationRequest, OutputDelta, absorb
 from controller.core.request import Request
 from controller.core.scheduler import RequestUpdate
@@ -47,6 +48,12 @@ class Tracked:
 
     def __post_init__(self, arrival: float) -> None:
         self.stats = RequestStats(arrival, len(self.gen.prompt_token_ids))
+
+    @property
+    def log_extra(self) -> dict[str, str]:
+        """The ``extra`` of a log line about this request: its request id (the fleet logs from
+        step loops and maintenance passes, away from the request's own task)."""
+        return {"request_id": request_id_of(self.gen.request_id)}
 
     @property
     def output_token_ids(self) -> list[int]:
