@@ -28,7 +28,7 @@ from controller.api import request_limits as limits
 from controller.api.admission import Admission, AdmissionLimits, AdmissionRejected, Ticket
 from controller.api.building import BuildOptions, generation_requests, token_limit
 from controller.api.deltas import DeltaQueue
-from controller.api.errors import APIError, quote
+from controller.api.errors import APIError, encodable, quote
 from controller.api.formats import Prompt
 from controller.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from controller.api.request_ids import request_ids
@@ -135,7 +135,7 @@ class OpenAIServing:
                 messages, add_generation_prompt=add_generation_prompt, tools=tools, **(extra or {})
             )
         except Exception as exc:  # whatever the client's input makes the template raise
-            reason = quote(exc)
+            reason = encodable(str(exc), 500)  # the template's words may quote the client's
             raise APIError(f"Cannot apply the chat template: {reason}", 400, "messages") from exc
 
     def _check_ids(self, ids: list[int], param: str) -> None:
