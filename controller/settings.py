@@ -15,6 +15,7 @@ DEFAULT_EXECUTOR = "127.0.0.1:50051"  # the executor of a controller given no ot
 API_KEY_ENV = "TANDEM_API_KEY"  # one more accepted API key (besides --api-key, --api-key-file)
 FLEET = "fleet: discovery, health, failover, placement"
 LIMITS = "limits: admission control and request size"
+REQUEST_LIMITS = "request limits: what one request may ask for"
 AUTH = "authentication of API clients"
 TLS = "TLS: HTTPS for clients, TLS/mTLS and a token to executors"
 _LIMIT_SPEC = re.compile(r"[^=,]+=\d+(,\d+)?")
@@ -178,6 +179,40 @@ class ControllerConfig(TandemSettings):
     )
     max_request_bytes: int = setting(
         4 << 20, "largest HTTP request body; larger ones get 413 (0 = no bound)", group=LIMITS
+    )
+
+    # Request limits: what one request may ask for, checked on the parsed body before anything
+    # is built for it (400 beyond each). vLLM bounds none of these; the defaults are far above
+    # what real clients send and keep one request's controller memory in the megabytes.
+    max_request_sequences: int = setting(
+        1024, "most sequences (prompts x n) in one request", group=REQUEST_LIMITS, ge=1
+    )
+    max_request_prompt_tokens: int = setting(
+        1 << 20,
+        "most prompt tokens in one request, all prompts together (text longer than this many "
+        "tokens could cover is refused before it is tokenized)",
+        group=REQUEST_LIMITS,
+        ge=1,
+    )
+    max_stop_strings: int = setting(16, "most stop strings in one request", group=REQUEST_LIMITS)
+    max_stop_string_chars: int = setting(
+        1024, "longest stop string, in characters", group=REQUEST_LIMITS, ge=1
+    )
+    max_stop_token_ids: int = setting(
+        256, "most stop_token_ids in one request", group=REQUEST_LIMITS
+    )
+    max_chat_messages: int = setting(
+        4096, "most messages in one chat request", group=REQUEST_LIMITS, ge=1
+    )
+    max_tools: int = setting(128, "most tools in one chat request", group=REQUEST_LIMITS)
+    # A client whose socket takes nothing for this long is gone or stalled: its response is
+    # aborted and its KV blocks freed, instead of generating into buffers nobody reads.
+    stream_stall_timeout: float = setting(
+        30.0,
+        "seconds a response may wait for a client that reads nothing before it is aborted "
+        "(0 = wait for ever)",
+        group=REQUEST_LIMITS,
+        ge=0,
     )
 
     # Client authentication: Bearer API keys (none = open API).

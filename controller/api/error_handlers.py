@@ -27,8 +27,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """APIError as is; validation errors as 400, HTTP errors with their status, anything else
-    as 500 (logged with its traceback)."""
+    """APIError as is; validation errors as 400, HTTP errors with their status, text that
+    cannot be encoded as 400, anything else as 500 (logged with its traceback).
+
+    Starlette answers the handler of `Exception` and then re-raises, and uvicorn closes the
+    connection of a request whose app raised: a client's keep-alive connection would die with
+    its request. Every error a client's input can cause therefore has a handler of its own,
+    which answers and keeps the connection."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -38,6 +43,14 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _invalid(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
         return error_response(APIError(message, 400, param))
+
+    @app.exception_handler(UnicodeError)
+    async def _unencodable(request: Request, exc: UnicodeError):
+        # Only client text gets here (a lone UTF-16 surrogate that JSON allowed): every text
+        # the server makes is valid Unicode.
+        log.info("unencodable text in a request to %s: %s", request.url.path, type(exc).__name__)
+        message = "The request holds text that is not valid Unicode (a lone surrogate?)."
+        return error_response(APIError(message, 400, code="invalid_unicode"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

@@ -1,8 +1,24 @@
-"""OpenAI-style error responses."""
+"""OpenAI-style error responses, which always encode: whatever a message quotes of the client's
+input (a lone UTF-16 surrogate in a model name, a 4 MB key) is made encodable and short."""
 
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
+
+MAX_QUOTE = 100  # characters of a client's value an error message may quote
+MAX_FIELD = 1000  # characters of any field of an error body (a param path can be a client key)
+
+
+def encodable(text: str, limit: int = MAX_FIELD) -> str:
+    """`text` cut to `limit` characters, with what UTF-8 cannot encode (lone surrogates)
+    replaced, so that the response always encodes."""
+    cut = text if len(text) <= limit else text[:limit] + "..."
+    return cut.encode("utf-8", "replace").decode("utf-8")
+
+
+def quote(value: object) -> str:
+    """A client's value as an error message may show it: short and always encodable."""
+    return encodable(str(value), MAX_QUOTE)
 
 
 class APIError(Exception):
@@ -43,12 +59,15 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(
         status_code=err.status,
         headers=err.headers or None,
-        content={
-            "error": {
-                "message": err.message,
-                "type": err.err_type,
-                "param": err.param,
-                "code": err.code,
-            }
-        },
+        content={"error": error_body(err)},
     )
+
+
+def error_body(err: APIError) -> dict[str, str | None]:
+    """The fields of an OpenAI error object, each one encodable."""
+    return {
+        "message": encodable(err.message),
+        "type": err.err_type,
+        "param": None if err.param is None else encodable(err.param),
+        "code": err.code,
+    }

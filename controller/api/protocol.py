@@ -6,7 +6,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from controller.api.shapes import check_prompt_shape
+
 MAX_N = 16  # most choices per prompt
+# Integers bound for int32 fields of the executor protocol (or compared with them) must fit.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Hard caps on list shapes, checked on the raw JSON before pydantic validates every item (one
+# bad item in a list of 300,000 made pydantic build 300,000 errors: a second and a half). The
+# configurable bounds (--max-request-sequences, --max-request-prompt-tokens) apply after.
+MAX_PROMPTS = 1 << 16  # prompts in one request, whatever the settings
+MAX_PROMPT_IDS = 1 << 22  # token ids in one request's prompts (a 4 MiB body holds ~2M)
 
 
 class StreamOptions(BaseModel):
@@ -21,25 +31,25 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None  # must name the served model when given
-    max_tokens: int | None = Field(default=None, ge=1)  # None = up to the context limit
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)  # None = up to the context
     n: int = Field(default=1, ge=1, le=MAX_N)  # choices per prompt
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # None = 1.0
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)  # nucleus mass
-    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0 = off
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0 = off; >= the vocabulary: off
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # 0 = off
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # per-request seed
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)  # per-request seed
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)  # 1 = off
     stop: str | list[str] | None = None  # stop strings, not included in the output
     stop_token_ids: list[int] | None = None  # token ids that stop generation
     ignore_eos: bool = False  # do not stop at EOS
-    min_tokens: int = Field(default=0, ge=0)  # no EOS/stop ids before this many tokens
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)  # no EOS/stop ids before this many
     include_stop_str_in_output: bool = False  # keep the matched stop string
     skip_special_tokens: bool = True  # leave special tokens out of the text
     stream: bool = False  # server-sent events
     stream_options: StreamOptions | None = None  # streaming extras
-    priority: int = 0  # lower = earlier (priority policy only)
+    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)  # lower = earlier (policy)
     return_token_ids: bool = False  # add prompt_token_ids / token_ids to each choice
     user: str | None = None  # accepted, unused
 
@@ -47,8 +57,6 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _check_stop(cls, v):
         items = [v] if isinstance(v, str) else (v or [])
-        if len(items) > 16:
-            raise ValueError("at most 16 stop strings")
         if any(s == "" for s in items):
             raise ValueError("stop strings must not be empty")
         return v
@@ -59,11 +67,16 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[str] | list[int] | list[list[int]]  # text(s) or token id list(s)
     echo: bool = False  # prepend the prompt to the output (with its logprobs)
-    logprobs: int | None = Field(default=None, ge=0)  # top logprobs per token
+    logprobs: int | None = Field(default=None, ge=0, le=INT32_MAX)  # top logprobs per token
     suffix: str | None = None  # unsupported unless None
     best_of: int | None = None  # unsupported unless None or n
     logit_bias: dict[str, float] | None = None  # unsupported unless empty
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)  # OpenAI's default
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt_shape(cls, v):
+        return check_prompt_shape(v, MAX_PROMPTS, MAX_PROMPT_IDS)
 
 
 class ChatMessage(BaseModel):
@@ -89,8 +102,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)  # the conversation
     logprobs: bool = False  # return logprobs of the output tokens
-    top_logprobs: int | None = Field(default=None, ge=0)  # alternatives per token
-    max_completion_tokens: int | None = Field(default=None, ge=1)  # newer name of max_tokens
+    top_logprobs: int | None = Field(default=None, ge=0, le=INT32_MAX)  # alternatives per token
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)  # max_tokens
     add_generation_prompt: bool = True  # end the prompt with the assistant's turn
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
     logit_bias: dict[str, float] | None = None  # unsupported unless empty

@@ -6,12 +6,14 @@ from fastapi import FastAPI
 
 from controller.api.errors import APIError
 from controller.api.protocol import DetokenizeRequest, TokenizeRequest
+from controller.api.request_limits import check_prompt_tokens
 from controller.api.serving import OpenAIServing
 from controller.fleet.engine import Engine
 
 
 def add_tokens_routes(app: FastAPI, engine: Engine, serving: OpenAIServing) -> None:
-    """/tokenize (a prompt or chat messages) and /detokenize (token ids)."""
+    """/tokenize (a prompt or chat messages) and /detokenize (token ids), bounded like the
+    prompts of a generation request."""
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -30,5 +32,6 @@ def add_tokens_routes(app: FastAPI, engine: Engine, serving: OpenAIServing) -> N
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         serving.check_model(body.model)
+        check_prompt_tokens([len(body.tokens)], serving.limits, "tokens")
         serving._check_ids(body.tokens, "tokens")
         return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}

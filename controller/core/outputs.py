@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.wire.step_types import SamplingParams, TokenLogprobs
 
@@ -40,6 +40,16 @@ class OutputDelta:
     num_output_tokens: int = 0  # tokens generated so far
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str = ""  # why the request failed, when finish_reason is "error"
+
+
+def own_copy(delta: OutputDelta) -> OutputDelta:
+    """A copy of `delta` whose lists nobody else holds (one `absorb` may grow)."""
+    return replace(
+        delta,
+        token_ids=list(delta.token_ids),
+        logprobs=None if delta.logprobs is None else list(delta.logprobs),
+        prompt_logprobs=None if delta.prompt_logprobs is None else list(delta.prompt_logprobs),
+    )
 
 
 def absorb(into: OutputDelta, later: OutputDelta) -> None:

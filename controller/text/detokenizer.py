@@ -14,6 +14,7 @@ longer turn out to be part of a stop string. The invariants the tests hold:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 from controller.text.tokenizer import Tokenizer, clean_up_tokenization
 
@@ -123,14 +124,60 @@ class _SpaceCleanupStream:
         return clean_up_tokenization(buf[:cut])
 
 
+@lru_cache(maxsize=256)
+def _failure(stop: str) -> tuple[int, ...]:
+    """KMP failure table of a stop string: entry k is the length of the longest proper border
+    (prefix that is also a suffix) of ``stop[: k + 1]``. Cached: the choices of one request,
+    and requests that repeat a stop string, share one table; 256 tables of at most the longest
+    allowed stop string bound what the cache holds."""
+    table = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = table[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        table[i] = k
+    return tuple(table)
+
+
+def _advance(stop: str, table: tuple[int, ...], k: int, text: str) -> tuple[int, int]:
+    """Run the KMP automaton of ``stop`` from state ``k`` (the length of the longest suffix of
+    the text so far that is a prefix of ``stop``) over ``text``. Returns (new state, -1), or
+    (len(stop), end) when ``stop`` first completes just before ``text[end]``. While the state
+    is 0 the scan jumps to the next occurrence of the first character (``str.find``, in C)."""
+    first, full, i, n = stop[0], len(stop), 0, len(text)
+    while i < n:
+        if k == 0:
+            i = text.find(first, i)
+            if i < 0:
+                return 0, -1
+            k, i = 1, i + 1
+        else:
+            c = text[i]
+            while k and stop[k] != c:
+                k = table[k - 1]
+            if stop[k] == c:
+                k += 1
+            i += 1
+        if k == full:
+            return k, i
+    return k, -1
+
+
 class StopChecker:
     """Finds stop strings in streamed text and holds back what could still begin one.
 
     A stop string may span deltas. The match chosen is the one that completes first (ties: the
     one that starts first), which is what checking after every single character would find, so
     the result does not depend on how the text was split into deltas. Only text that is not the
-    start of a possible stop string is released; matches are searched in the held text plus the
-    new delta, which is where every new match must start.
+    start of a possible stop string is released.
+
+    Each stop string runs a KMP automaton over the text as it arrives; its state is the length
+    of the longest suffix of the text that is a prefix of that stop string, so the text held
+    back is the longest of those suffixes. Memory is linear in the stop strings' length (one
+    failure table each, shared through a cache) and the work per delta is linear in the delta
+    (amortized) per stop string: no set of every prefix, no rescan of held text.
     """
 
     def __init__(
@@ -141,9 +188,8 @@ class StopChecker:
         )  # stop strings
         self.include_stop_str_in_output = include_stop_str_in_output  # keep the matched stop string
         self.matched_stop: str | None = None  # the stop string that ended the text, if any
-        self._max_hold = max((len(s) for s in self.stop), default=1) - 1  # longest proper prefix
-        # Every proper prefix of every stop string: suffixes of the text that must be held.
-        self._prefixes = frozenset(s[:k] for s in self.stop for k in range(1, len(s)))
+        self._tables = [_failure(s) for s in self.stop]  # KMP failure table per stop string
+        self._states = [0] * len(self.stop)  # per stop string: its prefix the text ends with
         self._pending = ""  # held text: a suffix that could begin a stop string
 
     @property
@@ -163,26 +209,23 @@ class StopChecker:
             return delta, False
         if not delta and not finished:
             return "", False
-        old = len(self._pending)
         region = self._pending + delta
+        offset = len(self._pending)  # where delta starts in region
         best_end = best_start = -1
         best = ""
-        for s in self.stop:
-            start = region.find(s, max(0, old - len(s) + 1))
-            if start >= 0:
-                end = start + len(s)
+        for i, s in enumerate(self.stop):
+            state, end = _advance(s, self._tables[i], self._states[i], delta)
+            self._states[i] = state
+            if end >= 0:
+                end += offset
+                start = end - len(s)
                 if best_end < 0 or end < best_end or (end == best_end and start < best_start):
                     best_end, best_start, best = end, start, s
         if best_end >= 0:
             self.matched_stop = best
             self._pending = ""
             return region[: best_end if self.include_stop_str_in_output else best_start], True
-        hold = 0
-        if not finished:
-            for k in range(min(self._max_hold, len(region)), 0, -1):
-                if region[-k:] in self._prefixes:
-                    hold = k
-                    break
+        hold = 0 if finished else max(self._states)
         self._pending = region[len(region) - hold :]
         return region[: len(region) - hold], False
 

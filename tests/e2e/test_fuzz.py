@@ -1,6 +1,9 @@
-"""Hostile input: generated requests from the app's own OpenAPI schema (schemathesis) and a
-hand-written list of malformed bodies. Never a 5xx, never a hung request; afterwards the server
-is healthy, serves the same greedy completion as before, runs nothing and holds no KV block."""
+"""Hostile input: generated requests from the app's own OpenAPI schema (schemathesis), a
+hand-written list of malformed bodies and generators of hostile ones (huge n, huge prompt
+lists, long stop strings, extreme integers, odd Unicode, deep and large JSON). Never a 5xx,
+never a hung request; after every batch no executor was lost, the server is healthy and its
+memory has not grown past a bound; at the end it serves the same greedy completion as before,
+runs nothing and holds no KV block."""
 
 from __future__ import annotations
 
@@ -13,17 +16,20 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
+from tests.e2e.fuzz_bodies import hostile_bodies
 from tests.e2e.helpers import (
     assert_no_blocks_in_use,
     gauge,
+    metric_sum,
 )
-from tests.support.processes import start_server
+from tests.support.processes import rss_mib, start_server
 
 MAX_EXAMPLES = 20  # per operation and mode; keeps the schema run near a minute on two cores
 TIMEOUT = 60.0  # seconds any single request may take
 MAX_BYTES = 256 * 1024  # the fuzz server's body bound
 REFERENCE = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
 GENERATION = {"/v1/completions", "/v1/chat/completions"}
+RSS_BOUND_MIB = 200  # controller memory growth allowed over the whole module
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +43,23 @@ def fuzz_server(default_model_dir, tmp_path_factory):
     r = httpx.post(s.base_url + "/v1/completions", json=REFERENCE, timeout=TIMEOUT)
     assert r.status_code == 200
     s.reference_text = r.json()["choices"][0]["text"]
+    s.rss_start = rss_mib(s.controller.pid)
+    s.losses_start = _executors_lost(s)
     yield s
     s.stop()
+
+
+def _executors_lost(server) -> float:
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    return metric_sum(text, "tandem:executor_lost_total")
+
+
+def assert_sound_after_batch(server, batch: str) -> None:
+    """What every batch must leave: no executor lost, a healthy server, bounded memory."""
+    assert _executors_lost(server) == server.losses_start, f"executor lost during {batch}"
+    assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200, batch
+    growth = rss_mib(server.controller.pid) - server.rss_start
+    assert growth < RSS_BOUND_MIB, f"controller RSS +{growth:.0f} MiB after {batch}"
 
 
 def _bounded(body):
@@ -90,6 +111,7 @@ def test_schema_fuzz_never_5xx(fuzz_server):
                 run()
             except Unsatisfiable:  # no negative case exists for an operation without input
                 pass
+            assert_sound_after_batch(fuzz_server, f"{operation.label} {mode.value}")
     assert calls > 100
     assert not failures, "\n".join(failures)
 
@@ -198,6 +220,23 @@ def test_malformed_bodies_get_4xx(fuzz_server):
             r = http.request(method, path)
             assert r.status_code in (404, 405), (method, path, r.status_code)
             assert r.json()["error"]["message"]
+    assert_sound_after_batch(fuzz_server, "malformed bodies")
+
+
+@pytest.mark.parametrize("batch", range(4))
+def test_hostile_generated_bodies(fuzz_server, batch):
+    """Batches of generated hostile bodies: each answered below 500 within the time bound,
+    and after each batch the server is sound."""
+    failures = []
+    with httpx.Client(base_url=fuzz_server.base_url, timeout=TIMEOUT) as http:
+        for path, body in hostile_bodies(seed=batch, count=40):
+            r = http.post(path, content=body, headers={"content-type": "application/json"})
+            if r.status_code >= 500:
+                failures.append(f"{path} {body[:300]!r} -> {r.status_code} {r.text[:300]}")
+            elif r.status_code >= 400:
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert not failures, "\n".join(failures)
+    assert_sound_after_batch(fuzz_server, f"hostile batch {batch}")
 
 
 def test_server_is_sound_after_fuzzing(fuzz_server):

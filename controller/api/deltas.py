@@ -1,0 +1,79 @@
+"""The channel from a response's sequences to its writer, bounded by what the response holds.
+
+Each sequence's pump puts the engine's deltas here as they come; the response's writer (the
+SSE generator, or the collector of a non-streamed response) takes them. A writer that lags,
+because its client reads slowly or not at all, does not let one object per step pile up: a
+sequence has at most one pending delta, and later ones merge into it. A stalled response thus
+holds its output once, in proportion to what it asked for (tokens, logprobs), until the stall
+timeout aborts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from controller.api.admission import ABORT
+from controller.core.outputs import OutputDelta, absorb, own_copy
+
+
+class DeltaQueue:
+    """Pending output per sequence, in arrival order, merged while the writer lags.
+
+    Items are ``(index, delta)``, ``(index, exception)`` (the sequence failed) and ``(None,
+    ABORT)`` (the ticket's abort: the response must end). Pending items are handed out before
+    an abort, as a queue would, so nothing a sequence produced is lost by merging.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[int, list] = {}  # index -> [delta] or [delta, exception]
+        self._owned: set[int] = set()  # indexes whose pending delta is a private copy
+        self._ready = asyncio.Event()  # something is pending, or the abort came
+        self._aborted = asyncio.Event()  # the abort came (shutdown)
+
+    def put_nowait(self, item: tuple) -> None:
+        """Take a sequence's delta or failure, or the response's abort."""
+        index, value = item
+        if value is ABORT:
+            self._aborted.set()
+        else:
+            items = self._pending.setdefault(index, [])
+            last = items[-1] if items else None
+            if isinstance(last, OutputDelta) and isinstance(value, OutputDelta):
+                if index not in self._owned:  # the engine's lists stay the engine's
+                    items[-1] = last = own_copy(last)
+                    self._owned.add(index)
+                absorb(last, value)
+            else:
+                items.append(value)
+        self._ready.set()
+
+    async def get(self) -> tuple:
+        """The next item: the oldest sequence's pending output, or the abort once nothing is
+        pending."""
+        while True:
+            if self._pending:
+                index = next(iter(self._pending))
+                items = self._pending[index]
+                value = items.pop(0)
+                self._owned.discard(index)  # a merged delta is only ever the first item
+                if not items:
+                    del self._pending[index]
+                return index, value
+            if self.aborted:
+                return None, ABORT
+            self._ready.clear()
+            await self._ready.wait()
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the abort came (shutdown)."""
+        return self._aborted.is_set()
+
+    async def wait_aborted(self) -> None:
+        """Return once the abort has come."""
+        await self._aborted.wait()
+
+    @property
+    def pending(self) -> int:
+        """Sequences with output waiting for the writer."""
+        return len(self._pending)

@@ -1,0 +1,223 @@
+"""Running a response's sequences and writing them to the client, streamed (SSE) or whole.
+
+The client's reading speed is bounded like everything else it controls: every write to its
+socket must complete within --stream-stall-timeout. uvicorn's send waits while the socket's
+buffers are full, so a client that stops reading (or a half-open connection) makes a write
+wait; past the timeout the response is aborted, which aborts its sequences in the engine and
+frees their KV blocks. Until then the output waiting for the writer is merged per sequence
+(deltas.py), so a stalled response holds only what it generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from controller.api.admission import ABORT, Ticket
+from controller.api.deltas import DeltaQueue
+from controller.api.errors import APIError, error_body
+from controller.api.formats import Choice
+from controller.core.outputs import GenerationRequest, OutputDelta
+from controller.fleet.engine import Engine, NoExecutorError
+
+log = logging.getLogger(__name__)
+
+
+class ClientStalled(Exception):
+    """A write to the client did not complete within the stall timeout."""
+
+    def __init__(self, timeout: float):
+        super().__init__(f"the client read nothing for {timeout:g}s")
+        self.timeout = timeout  # the stall timeout that ran out
+
+
+def guarded(send: Callable, timeout: float) -> Callable:
+    """`send` that raises ClientStalled when one message takes longer than `timeout` seconds
+    (0: no bound)."""
+    if not timeout:
+        return send
+
+    async def guarded_send(message: dict) -> None:
+        try:
+            async with asyncio.timeout(timeout):
+                await send(message)
+        except TimeoutError:
+            raise ClientStalled(timeout) from None
+
+    return guarded_send
+
+
+async def run_sequences(
+    engine: Engine, gens: list[GenerationRequest], ticket: Ticket, queue: DeltaQueue
+) -> AsyncIterator[tuple[int, OutputDelta]]:
+    """Run all sequences concurrently; yield (index, delta) as they come; abort on exit.
+
+    When the ticket is aborted (shutdown), every unfinished sequence ends with "abort".
+    """
+
+    async def pump(i: int, gen: GenerationRequest) -> None:
+        try:
+            async with contextlib.aclosing(engine.generate(gen)) as stream:
+                async for delta in stream:
+                    queue.put_nowait((i, delta))
+        except Exception as exc:  # surfaced to the handler
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    finished = [False] * len(gens)
+    try:
+        remaining = len(gens)
+        while remaining:
+            i, item = await queue.get()
+            if item is ABORT:
+                for j, gen in enumerate(gens):
+                    if not finished[j]:
+                        yield j, OutputDelta(gen.request_id, finished=True, finish_reason="abort")
+                return
+            ticket.started(i)
+            if isinstance(item, NoExecutorError):
+                raise APIError(str(item), 503, code="no_healthy_executor")
+            if isinstance(item, Exception):
+                raise item
+            if item.finished:
+                remaining -= 1
+                finished[i] = True
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect(
+    engine: Engine,
+    gens: list[GenerationRequest],
+    http: HTTPRequest,
+    ticket: Ticket,
+    queue: DeltaQueue,
+    n: int,
+) -> list[Choice] | None:
+    """Run to completion (non-streamed; `n` choices per prompt); abort everything and return
+    None if the client leaves."""
+    choices = [Choice(index=i, prompt_index=i // n) for i in range(len(gens))]
+
+    async def run() -> list[Choice]:
+        async with contextlib.aclosing(run_sequences(engine, gens, ticket, queue)) as deltas:
+            async for i, d in deltas:
+                choices[i].add(d)
+        return choices
+
+    task = asyncio.create_task(run())
+    gone = asyncio.create_task(client_gone(http))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+        ticket.close()
+
+
+def sse_events(
+    engine: Engine,
+    gens: list[GenerationRequest],
+    chunk: Callable,
+    fmt,
+    include_usage: bool,
+    ticket: Ticket,
+    queue: DeltaQueue,
+) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed response, ``data: [DONE]`` last."""
+    choices = [Choice(index=i, prompt_index=i // max(1, fmt.n)) for i in range(len(gens))]
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async with contextlib.aclosing(run_sequences(engine, gens, ticket, queue)) as deltas:
+                for prelude in fmt.stream_prelude(len(gens), include_usage):
+                    yield sse_line(prelude)
+                async for i, d in deltas:
+                    first = not choices[i].token_ids and not choices[i].text
+                    choices[i].add(d)
+                    if d.error:
+                        yield sse_line({"error": error_body(APIError(d.error, 500))})
+                        continue
+                    body = chunk(choices[i], d, first, include_usage)
+                    if body is not None:
+                        yield sse_line(body)
+                if include_usage:
+                    yield sse_line(fmt.usage_chunk(choices))
+        except APIError as err:
+            yield sse_line({"error": error_body(err)})
+        yield b"data: [DONE]\n\n"
+
+    return events()
+
+
+class TicketedStream(StreamingResponse):
+    """A streamed response that releases its admission ticket however it ends (even when the
+    client leaves before the body starts), and aborts when its client stalls."""
+
+    def __init__(self, ticket: Ticket, stall_timeout: float, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ticket = ticket  # released when the response is over
+        self.stall_timeout = stall_timeout  # seconds one write may wait for the client
+
+    async def stream_response(self, send) -> None:
+        await super().stream_response(guarded(send, self.stall_timeout))
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except ClientStalled as stalled:
+            # uvicorn closes the connection of a response that did not complete.
+            log.warning("%s: the streamed response is aborted", stalled)
+        finally:
+            # End the sequences now (their KV blocks go back), not when the generator is
+            # collected.
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+            self.ticket.close()
+
+
+class GuardedJSONResponse(JSONResponse):
+    """A whole response whose writes are bounded by the stall timeout like a stream's."""
+
+    def __init__(self, content, stall_timeout: float, **kwargs):
+        super().__init__(content, **kwargs)
+        self.stall_timeout = stall_timeout  # seconds one write may wait for the client
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, guarded(send, self.stall_timeout))
+        except ClientStalled as stalled:
+            log.warning("%s: the response is dropped", stalled)
+
+
+def sse_line(body: dict) -> bytes:
+    """One SSE event. Bytes, encoded here: nothing unencodable can fail the stream."""
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode("utf-8", "replace")
+
+
+def client_closed() -> Response:
+    """What a handler returns once its client has left: nothing reaches the closed socket, and
+    the access log shows 499 (the status proxies use for "client closed request")."""
+    return Response(status_code=499)
+
+
+async def client_gone(http: HTTPRequest) -> None:
+    """Return when the client disconnects. The body has been read, so the server's next ASGI
+    message is the disconnect: waiting for it costs nothing, where polling
+    ``is_disconnected`` cost every waiting request a wake-up twice a second."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
