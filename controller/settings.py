@@ -14,6 +14,7 @@ from common.wire.rpc_token import read_token
 DEFAULT_EXECUTOR = "127.0.0.1:50051"  # the executor of a controller given no other
 API_KEY_ENV = "TANDEM_API_KEY"  # one more accepted API key (besides --api-key, --api-key-file)
 FLEET = "fleet: discovery, health, failover, placement"
+ROBUSTNESS = "fleet robustness: what one request or executor can cost the others"
 LIMITS = "limits: admission control and request size"
 REQUEST_LIMITS = "request limits: what one request may ask for"
 AUTH = "authentication of API clients"
@@ -145,6 +146,15 @@ class ControllerConfig(TandemSettings):
     )
     no_executor_timeout: float = setting(
         120.0, "seconds a request waits for a healthy executor before a 503", group=FLEET
+    )
+    # Fleet robustness: a request whose executor keeps failing under it may be what takes the
+    # executors down; past this many moves it fails alone instead of taking the next one.
+    max_request_moves: int = setting(
+        3,
+        "times a request is moved off a lost executor; lost once more, it fails "
+        "(an error to its client) instead of moving again",
+        group=ROBUSTNESS,
+        ge=0,
     )
     # Placement.
     prefix_affinity: bool = setting(

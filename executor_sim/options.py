@@ -7,9 +7,11 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from common.host.settings import ExecutorSettings
 from common.settings import SettingError, derived, setting
+from executor_sim.faults import FaultKind
 from executor_sim.latency import LatencyModel
 
 SIMULATION = "simulation"
+FAULTS = "simulated faults (tests)"
 
 
 class SimOptions(BaseModel):
@@ -43,6 +45,16 @@ class SimOptions(BaseModel):
         "gpu", "device kind reported (the controller's --executor-limits key)", group=SIMULATION
     )
     device_name: str = setting("simulated", "device name reported", group=SIMULATION)
+    fault: FaultKind = setting(
+        "none",
+        "what a request carrying --fault-token-id does: reject (fails alone), step (fails its "
+        "step), hang (stalls its step), device (a device failure)",
+        group=FAULTS,
+    )
+    fault_token_id: int = setting(
+        -1, "prompt token id that triggers --fault (-1 = none)", group=FAULTS
+    )
+    fault_hang_seconds: float = setting(5.0, "how long --fault hang stalls a step", group=FAULTS)
     weights_bytes: int = derived(0, help="weights size reported by ProfileMemory")
     # The step-time model; None: the one the step_* settings describe (code may give its own).
     latency: LatencyModel | None = derived(None)

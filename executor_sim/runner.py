@@ -1,9 +1,10 @@
 """SimModelRunner: the persistent batch of a simulated executor, without tensors.
 
-It keeps what a real runner keeps per request (tokens, block count, sampling), applies each
-step's diff with the same checks, and answers exactly as a real runner does: one output per
-scheduled request, in the step's order, with a sampled token only where the step reaches the
-request's last known token, and an error (state dropped) for a request it cannot run.
+It keeps what a real runner keeps per request (tokens, block table, sampling) in the same
+``RequestTable``, so it applies each step's diff with the same checks (common.host.step_check),
+and answers exactly as a real runner does: one output per scheduled request, in the step's
+order, with a sampled token only where the step reaches the request's last known token, and an
+error (state dropped) for a request it cannot run.
 """
 
 from __future__ import annotations
@@ -11,22 +12,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.host.model_runner_base import ModelRunnerBase
+from common.host.request_table import RequestState, RequestTable
 from common.host.settings import ExecutorConfig
 from common.wire.config import ModelGeometry
-from common.wire.step_types import RequestStepOutput, SamplingParams, StepInput, StepOutput
+from common.wire.step_types import NewRequestData, RequestStepOutput, StepInput, StepOutput
 from executor_sim.sampler import FakeSampler
 
 
 @dataclass
-class SimRequest:
-    """What the simulated executor remembers about one request."""
+class SimRequest(RequestState):
+    """What the simulated executor remembers about one request: the common state, and a hash
+    of the prompt (greedy output is a function of it)."""
 
-    request_id: str  # the controller's id
-    token_ids: list[int]  # prompt followed by every generated token
-    num_prompt_tokens: int  # length of the prompt part
-    num_blocks: int  # KV blocks in its block table
-    sampling: SamplingParams  # how to sample it
-    prompt_key: int  # hash of the prompt: greedy output is a function of it
+    prompt_key: int = 0  # hash of the prompt
+
+    @classmethod
+    def from_new(cls, new: NewRequestData) -> SimRequest:
+        state = super().from_new(new)
+        state.prompt_key = hash(tuple(new.prompt_token_ids))
+        return state
 
 
 @dataclass
@@ -46,8 +50,13 @@ class SimModelRunner(ModelRunnerBase):
     def __init__(self, config: ExecutorConfig, geometry: ModelGeometry, sampler: FakeSampler):
         super().__init__(config, geometry)
         self.sampler = sampler  # fake sampling
-        self.requests: dict[str, SimRequest] = {}  # live requests by id
+        self.table = RequestTable(self.step_limits(), SimRequest.from_new)  # live requests
         self.last_shape = StepShape()  # the shape of the latest step
+
+    @property
+    def requests(self) -> dict[str, SimRequest]:
+        """Live requests by id."""
+        return self.table.requests  # type: ignore[return-value]
 
     # --- lifecycle (nothing to load or allocate) ----------------------------------------
 
@@ -56,8 +65,9 @@ class SimModelRunner(ModelRunnerBase):
         self.model = object()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Remember the block count; nothing is allocated."""
+        """Remember the block count (steps are checked against it); nothing is allocated."""
         self.num_blocks = num_blocks
+        self.table.limits = self.step_limits()
 
     def dummy_run(self, num_tokens: int, num_reqs: int) -> None:
         """Nothing to run."""
@@ -72,72 +82,23 @@ class SimModelRunner(ModelRunnerBase):
 
     def reset(self) -> None:
         """Forget every request and restart unseeded sampling from the configured seed."""
-        self.requests.clear()
+        self.table.clear()
+        self.table.limits = self.step_limits()  # InitDevice may have changed them
         self.sampler.reseed(self.config.seed)
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Forget these requests."""
+        self.table.forget(request_ids)
 
     # --- steps ----------------------------------------------------------------------------
 
-    def _check(self, req: SimRequest, computed: int, scheduled: int) -> str:
-        end = computed + scheduled
-        if scheduled <= 0 or computed < 0:
-            return f"bad schedule: {computed} computed, {scheduled} scheduled"
-        if end > len(req.token_ids):
-            return f"scheduled up to token {end} but only {len(req.token_ids)} are known"
-        if end > self.geometry.max_model_len:
-            return f"sequence length {end} exceeds max_model_len {self.geometry.max_model_len}"
-        if -(-end // self.config.block_size) > req.num_blocks:
-            return f"needs {-(-end // self.config.block_size)} KV blocks, has {req.num_blocks}"
-        return ""
-
-    def _apply(self, step: StepInput) -> tuple[list[tuple[SimRequest, int, int]], dict]:
-        for rid in step.finished_request_ids:
-            self.requests.pop(rid, None)
-        runnable: list[tuple[SimRequest, int, int]] = []
-        errors: dict[str, str] = {}
-        vocab = self.geometry.vocab_size
-        for new in step.new_requests:
-            tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
-            req = SimRequest(
-                new.request_id,
-                tokens,
-                len(new.prompt_token_ids),
-                len(new.block_ids),
-                new.sampling,
-                hash(tuple(new.prompt_token_ids)),
-            )
-            self.requests.pop(new.request_id, None)
-            bad = ""
-            if not new.prompt_token_ids:
-                bad = "empty prompt"
-            elif min(tokens) < 0 or max(tokens) >= vocab:
-                bad = f"token id outside [0, {vocab})"
-            bad = bad or self._check(req, new.num_computed_tokens, new.num_scheduled_tokens)
-            if bad:
-                errors[new.request_id] = bad
-                continue
-            self.requests[new.request_id] = req
-            runnable.append((req, new.num_computed_tokens, new.num_scheduled_tokens))
-        for cached in step.cached_requests:
-            req = self.requests.get(cached.request_id)
-            if req is None:
-                errors[cached.request_id] = "unknown request (never sent, finished or failed)"
-                continue
-            req.num_blocks += len(cached.new_block_ids)
-            bad = self._check(req, cached.num_computed_tokens, cached.num_scheduled_tokens)
-            if bad:
-                errors[cached.request_id] = bad
-                del self.requests[cached.request_id]
-                continue
-            runnable.append((req, cached.num_computed_tokens, cached.num_scheduled_tokens))
-        return runnable, errors
-
     def execute_model(self, step: StepInput) -> StepOutput:
         """Apply the diff and sample one fake token per request that reaches its end."""
-        runnable, errors = self._apply(step)
+        runnable, errors = self.table.apply(step)
         outputs = {rid: RequestStepOutput(rid, error=msg) for rid, msg in errors.items()}
         shape = StepShape(num_requests=len(runnable))
         sampler = self.sampler
-        for req, computed, scheduled in runnable:
+        for req, computed, scheduled in runnable:  # SimRequests (the table's make_state)
             end = computed + scheduled
             shape.num_tokens += scheduled
             shape.num_context_tokens += end

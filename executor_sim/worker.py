@@ -11,6 +11,7 @@ from common.host.worker_base import WorkerBase
 from common.wire.config import MemoryProfile
 from common.wire.model_config import load_model_geometry
 from common.wire.step_types import StepInput, StepOutput
+from executor_sim import faults
 from executor_sim.metrics import install_step_size_probe, shared_metrics, take_step_bytes
 from executor_sim.options import SimOptions
 from executor_sim.runner import SimModelRunner
@@ -75,7 +76,14 @@ class SimWorker(WorkerBase):
         started = time.perf_counter()
         runner = self.model_runner
         assert isinstance(runner, SimModelRunner)
+        opts = self.options
+        poisoned = faults.triggered(step, opts.fault_token_id) if opts.fault != "none" else []
+        if poisoned:
+            faults.before_step(opts.fault, opts.fault_hang_seconds)
         output = runner.execute_model(step)
+        if poisoned and opts.fault == "reject":
+            faults.reject(output, poisoned)
+            runner.forget(poisoned)
         shape = runner.last_shape
         modeled = self.options.latency.seconds(
             shape.num_tokens, shape.num_requests, shape.num_context_tokens, self._jitter_rng

@@ -117,7 +117,7 @@ def build_sampling_inputs(
     ints = np.zeros((2, request_bucket), np.int64)
     for i, p in enumerate(params):
         floats[:, i] = (
-            max(p.temperature, 0.0),
+            0.0 if p.greedy else p.temperature,  # a temperature near 0 is greedy (see greedy)
             min(max(p.top_p, 0.0), 1.0),
             p.min_p,
             p.presence_penalty,

@@ -12,6 +12,7 @@ import abc
 from typing import Any
 
 from common.host.settings import ExecutorConfig
+from common.host.step_check import StepLimits
 from common.wire.config import Capabilities, KVCacheSpec, ModelGeometry
 from common.wire.step_types import StepInput, StepOutput
 
@@ -50,8 +51,27 @@ class ModelRunnerBase(abc.ABC):
             max_logprobs=self.config.max_logprobs,
         )
 
+    def step_limits(self) -> StepLimits:
+        """What a step may ask of this runner (common.host.step_check): the capabilities it
+        reports, the model's geometry and the blocks ``initialize_kv_cache`` allocated."""
+        caps = self.get_capabilities()
+        return StepLimits(
+            num_blocks=self.num_blocks,
+            block_size=self.config.block_size,
+            vocab_size=self.geometry.vocab_size,
+            max_model_len=self.geometry.max_model_len,
+            max_tokens_per_step=caps.max_tokens_per_step,
+            max_num_seqs=caps.max_num_seqs,
+            max_logprobs=caps.max_logprobs,
+        )
+
     def reset(self) -> None:
         """Forget every request (a new controller session starts)."""
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Forget these requests (a step failed as a whole: their state is not trusted). The
+        default forgets every request; runners that keep per-request state override it."""
+        self.reset()
 
     def set_seed(self, seed: int) -> None:
         """Reset the global random state of the device's framework (after warm-up)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common import logs
 from common.host.servicer import ExecutorServicer
-from common.host.settings import ExecutorConfig, ExecutorSettings
+from common.host.settings import EXIT_DEVICE_FAILED, ExecutorConfig, ExecutorSettings
 from common.host.worker_base import WorkerBase
 from common.wire.pb import executor_pb2 as pb
 from common.wire.pb import executor_pb2_grpc as pb_grpc
@@ -48,17 +49,38 @@ def _health_only_server(health_servicer, host: str, port: int) -> grpc.Server:
 
 @dataclass
 class ExecutorServer:
-    """One worker served over gRPC: the Executor service, health and reflection."""
+    """One worker served over gRPC: the Executor service, health (and reflection, opt-in)."""
 
     server: grpc.Server  # the started gRPC server
     health: health.HealthServicer  # grpc.health.v1 state (NOT_SERVING until loaded)
     servicer: ExecutorServicer  # the Executor service over the worker
     port: int  # the bound port (the one asked for, or the one chosen for port 0)
+    # Set when the process should end: a device failure, once its NOT_SERVING time is over.
+    device_failed: threading.Event
+
+
+def _report_device_failure(
+    health_servicer: health.HealthServicer, exit_after: float, failed: threading.Event
+) -> Callable[[str], None]:
+    """What a device failure does to the server: NOT_SERVING at once (the controller stops
+    sending work, a liveness probe fails), then, unless ``exit_after`` is negative, the
+    process is told to end after ``exit_after`` seconds (``failed`` is set)."""
+
+    def report(reason: str) -> None:
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if exit_after >= 0:
+            timer = threading.Timer(exit_after, failed.set)
+            timer.daemon = True
+            timer.start()
+
+    return report
 
 
 def start_server(worker: WorkerBase, settings: ExecutorSettings, port: int) -> ExecutorServer:
     """Serve ``worker`` on ``settings.host:port`` (0: any free port) with the security the
-    settings ask for; health reports NOT_SERVING until ``mark_serving``."""
+    settings ask for; health reports NOT_SERVING until ``mark_serving`` (and again after a
+    device failure)."""
     token_file = settings.auth_token_file
     interceptors = [TokenInterceptor(read_token(token_file))] if token_file else []
     server = grpc.server(
@@ -71,11 +93,17 @@ def start_server(worker: WorkerBase, settings: ExecutorSettings, port: int) -> E
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    servicer = ExecutorServicer(worker)
-    pb_grpc.add_ExecutorServicer_to_server(servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    failed = threading.Event()
+    servicer = ExecutorServicer(
+        worker,
+        settings.max_failed_steps,
+        _report_device_failure(health_servicer, settings.device_failure_exit_after, failed),
     )
+    pb_grpc.add_ExecutorServicer_to_server(servicer, server)
+    if settings.grpc_reflection:  # opt-in: it tells anyone who can connect what is served
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{settings.host}:{port}"
@@ -86,13 +114,14 @@ def start_server(worker: WorkerBase, settings: ExecutorSettings, port: int) -> E
         bound = server.add_insecure_port(address)
     server.start()
     log.info(
-        "listening on %s:%d (%s%s)",
+        "listening on %s:%d (%s%s%s)",
         settings.host,
         bound,
         "mTLS" if settings.tls_client_ca else "TLS" if settings.tls_cert else "plaintext",
         ", token" if interceptors else "",
+        ", reflection" if settings.grpc_reflection else "",
     )
-    return ExecutorServer(server, health_servicer, servicer, bound)
+    return ExecutorServer(server, health_servicer, servicer, bound, failed)
 
 
 def mark_serving(served: ExecutorServer) -> None:
@@ -101,9 +130,9 @@ def mark_serving(served: ExecutorServer) -> None:
         served.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
-def wait_for_signal() -> None:
-    """Block until SIGTERM or SIGINT."""
-    stop = threading.Event()
+def wait_for_signal(stop: threading.Event | None = None) -> None:
+    """Block until SIGTERM or SIGINT (or until ``stop`` is set)."""
+    stop = stop or threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
@@ -136,8 +165,9 @@ def configure_logging(settings: ExecutorSettings) -> None:
 def serve(
     worker_factory: Callable[[ExecutorConfig], WorkerBase], settings: ExecutorSettings
 ) -> None:
-    """Load the model, then serve Executor, health and reflection until SIGTERM/SIGINT. The
-    settings are the worker's config too."""
+    """Load the model, then serve Executor and health (reflection if asked) until SIGTERM /
+    SIGINT, or until a device failure's NOT_SERVING time is over: then the process exits with
+    status EXIT_DEVICE_FAILED. The settings are the worker's config too."""
     configure_logging(settings)
     worker = worker_factory(settings)
     if settings.metrics_port:
@@ -150,7 +180,11 @@ def serve(
     served.servicer.load()
     mark_serving(served)
     log.info("ready: %s on %s", worker.device_kind, worker.device_name)
-    wait_for_signal()
-    shut_down([served], settings.shutdown_drain)
+    wait_for_signal(served.device_failed)
+    failure = served.servicer.device_failure
+    shut_down([served], 0.0 if failure else settings.shutdown_drain)
     if health_server is not None:
         health_server.stop(grace=1).wait()
+    if failure:
+        log.critical("exiting after a device failure: %s", failure)
+        sys.exit(EXIT_DEVICE_FAILED)

@@ -4,6 +4,12 @@ Thin by design: protobuf in, domain objects to the worker, protobuf out. One con
 at a time: InitDevice starts a new session (resetting request state), and every ExecuteModel
 stream replaces the one before it. A replaced stream runs no further step: its next request
 ends it with ABORTED, so two controllers never drive the device at once.
+
+Failures stay as small as their cause (common.host.device_errors): a request the runner cannot
+run fails alone (its error in the step's result); a step that fails as a whole for another
+reason fails its requests, which the executor forgets, and the stream goes on; a device failure
+(or ``max_failed_steps`` whole-step failures in a row) marks the executor failed: every call
+then ends UNAVAILABLE, and ``on_device_failed`` turns its health to NOT_SERVING.
 """
 
 from __future__ import annotations
@@ -12,16 +18,17 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
+from common.host.device_errors import is_fatal_device_error
 from common.host.request_log import log_failed_requests, log_step_requests
 from common.host.worker_base import WorkerBase
 from common.wire import convert
 from common.wire.pb import executor_pb2 as pb
 from common.wire.pb import executor_pb2_grpc as pb_grpc
-from common.wire.step_types import StepInput, StepOutput
+from common.wire.step_types import RequestStepOutput, StepInput, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +36,17 @@ log = logging.getLogger(__name__)
 class ExecutorServicer(pb_grpc.ExecutorServicer):
     """Serves one worker; device calls are serialized by a lock."""
 
-    def __init__(self, worker: WorkerBase):
+    def __init__(
+        self,
+        worker: WorkerBase,
+        max_failed_steps: int = 3,
+        on_device_failed: Callable[[str], None] | None = None,
+    ):
         self.worker = worker  # the device worker
+        self.max_failed_steps = max(max_failed_steps, 1)  # whole-step failures in a row that
+        # mean the device is failing
+        self.on_device_failed = on_device_failed  # told once when the device failed
+        self._failed_steps = 0  # whole-step failures in a row
         self._lock = threading.Lock()  # one device call at a time
         self._session = 0  # bumped by every InitDevice; older streams end
         self._stream = 0  # bumped by every ExecuteModel; older streams end
@@ -42,20 +58,57 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         with self._lock:
             self._ensure_loaded()
 
+    @property
+    def device_failure(self) -> str:
+        """Why the device failed ("" while it serves)."""
+        return self.worker.device_failure
+
+    def _device_failed(self, reason: str) -> None:
+        """Take no more work: every call ends UNAVAILABLE from now on; health goes
+        NOT_SERVING (``on_device_failed``)."""
+        if self.worker.device_failure:
+            return
+        self.worker.device_failure = reason[:500]
+        log.critical("device failed: %s; the executor takes no more work", reason)
+        if self.on_device_failed is not None:
+            self.on_device_failed(reason)
+
+    def _check_device(self, context) -> None:
+        """End the call UNAVAILABLE if the device failed."""
+        if self.worker.device_failure:
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"device failed: {self.worker.device_failure}"
+            )
+
+    def _device_call(self, call: Callable, context):
+        """``call()`` under the device lock; a device error on the way fails the device."""
+        self._check_device(context)
+        with self._lock:
+            try:
+                return call()
+            except Exception as exc:
+                if is_fatal_device_error(exc):
+                    self._device_failed(repr(exc))
+                    context.abort(grpc.StatusCode.UNAVAILABLE, f"device failed: {exc!r}")
+                raise
+
     def _ensure_loaded(self) -> None:
         if self.worker.model_runner is None:
             self.worker.init_device()
         self.worker.load_model()
 
     def InitDevice(self, request: pb.InitDeviceRequest, context) -> pb.InitDeviceResponse:
-        with self._lock:
+        def init():
             self._session += 1
             self._ensure_loaded()
             self.worker.configure(
                 request.max_num_batched_tokens, request.max_num_seqs, request.max_model_len
             )
             self.worker.reset()
-            info = self.worker.describe()
+            self._failed_steps = 0
+            return self.worker.describe()
+
+        info = self._device_call(init, context)
         log.info(
             "session %d: InitDevice from %s (%s %s, incarnation %s)",
             self._session,
@@ -66,19 +119,28 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         )
         return convert.device_info_to_pb(info)
 
+    def Identify(self, request, context) -> pb.IdentifyResponse:
+        """The incarnation id, without the device lock (a warm-up may hold it for minutes)."""
+        return pb.IdentifyResponse(incarnation_id=self.worker.incarnation_id)
+
     def ProfileMemory(self, request, context) -> pb.ProfileMemoryResponse:
-        with self._lock:
+        def profile_memory():
             self._ensure_loaded()
-            profile = self.worker.determine_available_memory()
+            return self.worker.determine_available_memory()
+
+        profile = self._device_call(profile_memory, context)
         log.info("profiled: %.1f MiB for the KV cache", profile.available_kv_bytes / 2**20)
         return convert.memory_profile_to_pb(profile)
 
     def InitializeCache(self, request: pb.InitializeCacheRequest, context):
         if request.num_blocks < 2:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_blocks must be at least 2")
-        with self._lock:
+
+        def initialize():
             self._ensure_loaded()
-            seconds, graphs = self.worker.initialize_cache(request.num_blocks)
+            return self.worker.initialize_cache(request.num_blocks)
+
+        seconds, graphs = self._device_call(initialize, context)
         log.info("cache: %d blocks; warm-up %.2fs, %d graphs", request.num_blocks, seconds, graphs)
         return pb.InitializeCacheResponse(warmup_seconds=seconds, num_compiled_graphs=graphs)
 
@@ -100,6 +162,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         return ""
 
     def ExecuteModel(self, request_iterator, context):
+        self._check_device(context)
         if not self.worker.cache_initialized:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "InitializeCache first")
         with self._state:
@@ -143,18 +206,38 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             if replaced:
                 log.warning("session %d: step stream %d ends: %s", session, stream, replaced)
                 raise _StepAborted(grpc.StatusCode.ABORTED, replaced)
+            if self.worker.device_failure:
+                raise _StepAborted(
+                    grpc.StatusCode.UNAVAILABLE, f"device failed: {self.worker.device_failure}"
+                )
             log_step_requests(step)
             try:
                 output = self.worker.execute_model(step)
-            except Exception as exc:  # the whole step failed: the controller retries
-                log.exception("step %d failed", step.step_id)
-                raise _StepAborted(
-                    grpc.StatusCode.INTERNAL, f"step {step.step_id} failed: {exc}"
-                ) from exc
+                self._failed_steps = 0
+            except Exception as exc:
+                output = self._step_failed(step, exc)
         if not output.device_seconds:
             output.device_seconds = time.perf_counter() - started
         log_failed_requests(output)
         return output
+
+    def _step_failed(self, step: StepInput, exc: Exception) -> StepOutput:
+        """A step that raised: a device failure ends the stream (and the executor's service);
+        anything else fails the step's requests alone, forgotten by the runner (their state is
+        not trusted), until ``max_failed_steps`` such steps in a row mean the device fails."""
+        self._failed_steps += 1
+        fatal = is_fatal_device_error(exc)
+        if fatal or self._failed_steps >= self.max_failed_steps:
+            log.error("step %d failed", step.step_id, exc_info=exc)
+            reason = repr(exc) if fatal else f"{self._failed_steps} steps in a row failed: {exc!r}"
+            self._device_failed(reason)
+            raise _StepAborted(grpc.StatusCode.UNAVAILABLE, f"device failed: {reason}") from exc
+        log.error("step %d failed; its requests fail", step.step_id, exc_info=exc)
+        ids = list(dict.fromkeys(r.request_id for r in [*step.new_requests, *step.cached_requests]))
+        if self.worker.model_runner is not None:
+            self.worker.model_runner.forget(ids)
+        error = f"the step failed on the executor: {exc!r}"[:500]
+        return StepOutput(step.step_id, [RequestStepOutput(rid, error=error) for rid in ids])
 
 
 class _StepAborted(Exception):

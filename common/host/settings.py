@@ -11,6 +11,8 @@ from typing import Literal
 from common.settings import SettingError, TandemSettings, derived, setting
 
 SECURITY = "security: TLS, mTLS and a shared token"
+FAILURES = "device failures"
+EXIT_DEVICE_FAILED = 70  # the process's exit status after a device failure (EX_SOFTWARE)
 
 
 class ExecutorConfig(TandemSettings):
@@ -87,6 +89,29 @@ class ExecutorSettings(ExecutorConfig):
         "also serve grpc.health.v1 alone, in plaintext, on this port (for probes that cannot "
         "speak TLS; 0 = off)",
         group=SECURITY,
+    )
+    grpc_reflection: bool = setting(
+        False,
+        "serve gRPC server reflection (it lists the executor's services to anyone who can "
+        "reach the port; for grpcurl and debugging)",
+        group=SECURITY,
+    )
+    # A device failure (a CUDA error, an XLA runtime failure, out of device memory) leaves the
+    # device unusable: health turns NOT_SERVING at once (the controller moves the requests,
+    # Kubernetes' liveness probe fails), then the process exits so that any supervisor
+    # restarts it on a fresh device context.
+    device_failure_exit_after: float = setting(
+        5.0,
+        f"after a device failure: seconds reporting NOT_SERVING before the process exits with "
+        f"status {EXIT_DEVICE_FAILED} (negative = stay up, NOT_SERVING)",
+        group=FAILURES,
+    )
+    max_failed_steps: int = setting(
+        3,
+        "steps in a row that fail as a whole (an error no single request explains) before the "
+        "executor counts its device as failed",
+        group=FAILURES,
+        ge=1,
     )
 
     def finalize(self) -> None:

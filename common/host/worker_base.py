@@ -33,6 +33,7 @@ class WorkerBase(abc.ABC):
         self.device_name = "unbound"  # set by init_device()
         self.model_runner: ModelRunnerBase | None = None  # set by init_device()
         self.cache_initialized = False  # True after initialize_cache()
+        self.device_failure = ""  # why the device failed (common.host.device_errors); "" = fine
         self._model_max_len = 0  # the checkpoint's own max length, before configure()
         self.metrics = ExecutorMetrics(self)  # step and memory metrics (the metrics port)
 
@@ -130,8 +131,9 @@ class WorkerBase(abc.ABC):
         return usage
 
     def check_health(self) -> bool:
-        """True while the worker can serve steps."""
-        return self.model_runner is not None and self.model_runner.get_model() is not None
+        """True while the worker can serve steps (loaded, and its device has not failed)."""
+        runner = self.model_runner
+        return not self.device_failure and runner is not None and runner.get_model() is not None
 
     # --- virtual ------------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
 """The persistent batch: per-request state kept between steps, and each step's input tensors.
 
 The controller sends each step as a diff (``StepInput``). ``InputBatch.prepare`` applies it
-(finished ids dropped first; a new request replaces any state under its id; a cached request
-appends its new blocks), validates every scheduled request on its own, and builds the flat
-ragged batch of the step on the host with numpy, moving it to the device in one copy.
+through the executor's ``RequestTable`` (common.host.request_table: finished ids dropped first,
+new requests taken, cached requests advanced; every request checked against the executor's own
+state and limits, a bad one rejected alone), and builds the flat ragged batch of the step on
+the host with numpy, moving it to the device in one copy.
 
 A request samples only when the step computes up to its last known token
 (``num_computed + num_scheduled == len(tokens)``); the executor appends the sampled token to the
@@ -17,34 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from common.host.request_table import RequestState, RequestTable
+from common.host.step_check import StepLimits
 from common.torch.attention import AttentionMetadata
-from common.wire.step_types import SamplingParams, StepInput
+from common.wire.step_types import StepInput
 
-
-@dataclass
-class RequestState:
-    """What the executor remembers about one request."""
-
-    request_id: str  # the controller's id
-    token_ids: list[int]  # prompt followed by every generated token
-    num_prompt_tokens: int  # length of the prompt part of token_ids
-    block_ids: list[int]  # KV blocks of the request, in sequence order
-    sampling: SamplingParams  # how to sample it
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        """The prompt (a copy)."""
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def num_output_tokens(self) -> int:
-        """Tokens generated so far."""
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        """Generated tokens so far (a copy)."""
-        return self.token_ids[self.num_prompt_tokens :]
+__all__ = ["InputBatch", "RequestState", "ScheduledRow", "StepBatch"]
 
 
 @dataclass
@@ -87,85 +66,43 @@ class InputBatch:
         self, block_size: int, vocab_size: int, max_model_len: int, device: torch.device | str
     ):
         self.block_size = block_size  # tokens per KV block
-        self.vocab_size = vocab_size  # valid token ids are [0, vocab_size)
-        self.max_model_len = max_model_len  # longest sequence accepted
         self.device = torch.device(device)  # where step tensors go
-        self.requests: dict[str, RequestState] = {}  # live requests by id
+        # Live requests and the limits steps are checked against (the runner sets the limits
+        # from its handshake answers; until then, the model's).
+        self.table = RequestTable(
+            StepLimits(block_size=block_size, vocab_size=vocab_size, max_model_len=max_model_len)
+        )
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        """Live requests by id."""
+        return self.table.requests
+
+    def set_limits(self, limits: StepLimits) -> None:
+        """Check steps against these limits from now on."""
+        self.table.limits = limits
 
     def __len__(self) -> int:
-        return len(self.requests)
+        return len(self.table)
 
     def clear(self) -> None:
         """Forget every request."""
-        self.requests.clear()
+        self.table.clear()
 
     def remove(self, request_id: str) -> None:
         """Forget one request (no error if unknown)."""
-        self.requests.pop(request_id, None)
+        self.table.requests.pop(request_id, None)
 
     def append_token(self, request_id: str, token_id: int) -> None:
         """Record a token sampled for the request."""
-        self.requests[request_id].token_ids.append(token_id)
-
-    # --- applying the diff --------------------------------------------------------------
-
-    def _check(self, state: RequestState, computed: int, scheduled: int) -> str:
-        """Why this scheduling of the request cannot run ("" when it can)."""
-        end = computed + scheduled
-        if scheduled <= 0 or computed < 0:
-            return f"bad schedule: {computed} computed, {scheduled} scheduled"
-        if end > len(state.token_ids):
-            return f"scheduled up to token {end} but only {len(state.token_ids)} are known"
-        if end > self.max_model_len:
-            return f"sequence length {end} exceeds max_model_len {self.max_model_len}"
-        needed = -(-end // self.block_size)
-        if needed > len(state.block_ids):
-            return f"needs {needed} KV blocks, has {len(state.block_ids)}"
-        return ""
-
-    def _apply(self, step: StepInput) -> tuple[list[tuple[RequestState, int, int]], dict[str, str]]:
-        """Update states from the diff; return the runnable (state, computed, scheduled)."""
-        for rid in step.finished_request_ids:
-            self.requests.pop(rid, None)
-        runnable: list[tuple[RequestState, int, int]] = []
-        errors: dict[str, str] = {}
-        for new in step.new_requests:
-            tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
-            state = RequestState(
-                new.request_id, tokens, len(new.prompt_token_ids), list(new.block_ids), new.sampling
-            )
-            self.requests.pop(new.request_id, None)
-            bad = ""
-            if not new.prompt_token_ids:
-                bad = "empty prompt"
-            elif min(tokens) < 0 or max(tokens) >= self.vocab_size:
-                bad = f"token id outside [0, {self.vocab_size})"
-            bad = bad or self._check(state, new.num_computed_tokens, new.num_scheduled_tokens)
-            if bad:
-                errors[new.request_id] = bad
-                continue
-            self.requests[new.request_id] = state
-            runnable.append((state, new.num_computed_tokens, new.num_scheduled_tokens))
-        for cached in step.cached_requests:
-            state = self.requests.get(cached.request_id)
-            if state is None:
-                errors[cached.request_id] = "unknown request (never sent, finished or failed)"
-                continue
-            state.block_ids.extend(cached.new_block_ids)
-            bad = self._check(state, cached.num_computed_tokens, cached.num_scheduled_tokens)
-            if bad:
-                errors[cached.request_id] = bad
-                self.requests.pop(cached.request_id, None)
-                continue
-            runnable.append((state, cached.num_computed_tokens, cached.num_scheduled_tokens))
-        return runnable, errors
+        self.table.requests[request_id].token_ids.append(token_id)
 
     # --- building the step --------------------------------------------------------------
 
     def schedule(self, step: StepInput) -> tuple[list[ScheduledRow], dict[str, str]]:
         """Apply the step's diff; return the rows to compute (single-token requests first) and
         the errors of requests failing checks (left out, their state dropped)."""
-        runnable, errors = self._apply(step)
+        runnable, errors = self.table.apply(step)
         # Single-token requests first: attention batches them in one pass.
         runnable.sort(key=lambda r: r[2] != 1)
         rows = []

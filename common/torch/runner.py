@@ -17,7 +17,6 @@ shared too; a device adjusts them through small hooks (``load_device``, ``place_
 from __future__ import annotations
 
 import abc
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -35,8 +34,6 @@ from common.wire.step_types import (
     StepOutput,
     TokenLogprobs,
 )
-
-log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -157,13 +154,20 @@ class TorchModelRunner(ModelRunnerBase):
         ]
         self.model.bind_kv_cache(self.kv_caches)
         self.num_blocks = num_blocks
-        # The controller may have lowered max_model_len since the batch was created.
-        self.input_batch.max_model_len = self.geometry.max_model_len
         self.after_kv_cache_allocated()
+        # Steps are checked against the blocks just allocated and the limits the controller
+        # set in InitDevice (it may have lowered max_model_len since the batch was created).
+        self.input_batch.set_limits(self.step_limits())
 
     def reset(self) -> None:
         """Forget every request."""
         self.input_batch.clear()
+        if self.num_blocks:
+            self.input_batch.set_limits(self.step_limits())
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Forget these requests."""
+        self.input_batch.table.forget(request_ids)
 
     def set_seed(self, seed: int) -> None:
         """torch's global seed."""
@@ -184,20 +188,15 @@ class TorchModelRunner(ModelRunnerBase):
     # --- steps ----------------------------------------------------------------------------
 
     def execute_model(self, step: StepInput) -> StepOutput:
-        """Run one step; a request that fails (bad schedule, non-finite values) gets an error
-        and its state is dropped, the others are unaffected."""
+        """Run one step; a request that fails (a check, non-finite values) gets an error and
+        its state is dropped, the others are unaffected. A failure of the pass itself is
+        raised: a device error (common.host.device_errors) ends the executor, any other fails
+        the step's requests (the servicer decides)."""
         started = time.perf_counter()
         rows, errors = self.input_batch.schedule(step)
         outputs = {rid: RequestStepOutput(rid, error=msg) for rid, msg in errors.items()}
         if rows:
-            try:
-                outputs.update(self._assemble(rows, self.run_rows(rows)))
-            except Exception as exc:  # the whole pass failed: fail this step's requests
-                log.exception("step %d failed", step.step_id)
-                for row in rows:
-                    rid = row.state.request_id
-                    outputs[rid] = RequestStepOutput(rid, error=f"step failed: {exc!r}")
-                    self.input_batch.remove(rid)
+            outputs.update(self._assemble(rows, self.run_rows(rows)))
         order = [r.request_id for r in step.new_requests] + [
             r.request_id for r in step.cached_requests
         ]

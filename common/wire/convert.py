@@ -96,6 +96,57 @@ def step_to_pb(step: StepInput) -> pb.StepRequest:
     return msg
 
 
+def _wire_error(exc: Exception) -> str:
+    """An encodable description of a conversion error (its text may quote the bad value:
+    a lone surrogate would break whatever encodes the message next)."""
+    return f"{type(exc).__name__}: {exc}".encode("ascii", "backslashreplace").decode()[:300]
+
+
+#: What protobuf raises for a value its field cannot carry (UnicodeError is a ValueError).
+CONVERSION_ERRORS = (ValueError, TypeError, OverflowError)
+
+
+def new_request_wire_problem(r: NewRequestData) -> str:
+    """Why a new request cannot be put in a StepRequest ("" when it can): a value its field
+    cannot carry (a seed outside int64, a token id outside int32, a string that is not UTF-8)."""
+    try:
+        pb.NewRequest(
+            request_id=r.request_id,
+            prompt_token_ids=r.prompt_token_ids,
+            output_token_ids=r.output_token_ids,
+            sampling=sampling_to_pb(r.sampling),
+            block_ids=r.block_ids,
+            num_computed_tokens=r.num_computed_tokens,
+            num_scheduled_tokens=r.num_scheduled_tokens,
+        )
+    except CONVERSION_ERRORS as exc:
+        return f"the request cannot be sent to an executor ({_wire_error(exc)})"
+    return ""
+
+
+def step_wire_problems(step: StepInput) -> dict[str, str]:
+    """The requests of a step that cannot be put in a StepRequest, by id, with why (the step
+    converts once they are left out; ``step_to_pb`` raised for it)."""
+    problems = {}
+    for r in step.new_requests:
+        problem = new_request_wire_problem(r)
+        if problem:
+            problems[r.request_id] = problem
+    for c in step.cached_requests:
+        try:
+            pb.CachedRequest(
+                request_id=c.request_id,
+                new_block_ids=c.new_block_ids,
+                num_computed_tokens=c.num_computed_tokens,
+                num_scheduled_tokens=c.num_scheduled_tokens,
+            )
+        except CONVERSION_ERRORS as exc:
+            problems[c.request_id] = (
+                f"the request cannot be sent to an executor ({_wire_error(exc)})"
+            )
+    return problems
+
+
 def step_from_pb(m: pb.StepRequest) -> StepInput:
     return StepInput(
         step_id=m.step_id,

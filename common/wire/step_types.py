@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Temperatures below this are greedy (as vLLM's): dividing logits by a tinier one overflows
+# them to infinities, whose probabilities are NaN.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
     """How to pick the next token of one request."""
 
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (below GREEDY_TEMPERATURE) = greedy
     top_p: float = 1.0  # nucleus mass; 1 = off
     top_k: int = 0  # keep the k best tokens; 0 = off
     min_p: float = 0.0  # drop tokens below min_p * top probability; 0 = off
@@ -28,7 +32,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        """Argmax: a temperature of (nearly) 0."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

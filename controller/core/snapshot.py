@@ -57,6 +57,8 @@ class ExecutorSnapshot:
     reconnects: int  # handshakes after a loss
     last_loss: str  # why it was last lost ("" if never)
     connect_error: str  # why connection attempts fail now ("" once connected)
+    duplicate_of: str = ""  # the address of the session driving the same executor process,
+    # while this one waits as its duplicate ("" otherwise)
 
     @property
     def free_blocks(self) -> int:

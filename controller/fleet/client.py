@@ -57,6 +57,11 @@ class ExecutorLost(RuntimeError):
     """The executor's stream broke, it restarted, or it stopped answering in time."""
 
 
+class StepNotSendable(ValueError):
+    """A step that cannot be converted to its wire form: nothing was sent, the stream and the
+    executor are fine (a request's data is at fault, see convert.step_wire_problems)."""
+
+
 def grpc_status_of(exc: BaseException | None) -> str:
     """The gRPC status code name behind a failure (its cause chain), or "" if none."""
     seen: set[int] = set()
@@ -120,6 +125,20 @@ class ExecutorClient:
             return "UNREACHABLE"
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
+    async def identify(self, timeout: float) -> str:
+        """The executor's incarnation id, without touching its state; "" when it does not
+        say (an executor of a version without Identify)."""
+        _ = self.channel
+        try:
+            resp = await self._stub.Identify(
+                pb.IdentifyRequest(), timeout=timeout, metadata=self.security.metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return ""
+            raise
+        return resp.incarnation_id
+
     async def handshake(
         self,
         max_num_batched_tokens: int,
@@ -181,11 +200,16 @@ class ExecutorClient:
         return await self.receive_result(step)
 
     async def send_step(self, step: StepInput) -> None:
-        """Send one step on the stream (opened on first use); results come back in order."""
+        """Send one step on the stream (opened on first use); results come back in order.
+        StepNotSendable, before anything is sent, when the step cannot be converted."""
+        try:
+            msg = convert.step_to_pb(step)
+        except convert.CONVERSION_ERRORS as exc:
+            raise StepNotSendable(f"step {step.step_id}: {exc!r}") from exc
         try:
             if self._call is None:
                 self._call = self._stub.ExecuteModel(metadata=self.security.metadata)
-            await self._call.write(convert.step_to_pb(step))
+            await self._call.write(msg)
         except grpc.aio.AioRpcError as exc:
             await self.close_stream()
             raise ExecutorLost(f"step stream broke: {exc.code().name}: {exc.details()}") from exc

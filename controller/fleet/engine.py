@@ -9,6 +9,10 @@ healthy executors and resumed by recompute (prompt + tokens so far), so a client
 pauses; with no healthy executor they wait up to `no_executor_timeout`, then fail (503). A
 request that an executor still has not admitted after `affinity_max_wait` seconds moves to an
 executor that can start it at once.
+
+A request fails alone, with an error to its client, when it cannot run: data that cannot be
+put on the wire (checked before it is placed), a scheduler that can never run it, or more
+than `max_request_moves` moves off lost executors (it may be what takes them down).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import time
 from collections.abc import AsyncIterator
 
 from common.wire.config import DeviceInfo
+from common.wire.convert import new_request_wire_problem
+from common.wire.step_types import NewRequestData
 from controller.core.kv_cache import hash_token_blocks
 from controller.core.outputs import GenerationRequest, OutputDelta
 from controller.core.snapshot import ExecutorSnapshot
@@ -31,7 +37,14 @@ from controller.fleet.placement import (
     mean_step_cost,
 )
 from controller.fleet.session import ExecutorSession, SessionState
-from controller.fleet.tracked import Tracked, count_finished, scheduler_request, track
+from controller.fleet.tracked import (
+    Tracked,
+    count_finished,
+    deliver,
+    error_delta,
+    scheduler_request,
+    track,
+)
 from controller.observe.fleet_collector import FleetCollector
 from controller.observe.metrics import EngineMetrics
 from controller.observe.report import executor_report
@@ -68,6 +81,9 @@ class Engine:
         self.eos_token_ids: list[int] = list(tokenizer.eos_token_ids)  # from tokenizer + model
         self.num_kv_tokens = 0  # smallest executor KV capacity in tokens
         self.waiting: dict[str, Tracked] = {}  # requests waiting for a healthy executor
+        # One session per executor process: incarnation id -> the address driving it, and back.
+        self._drivers: dict[str, str] = {}
+        self._claims: dict[str, str] = {}
         self._expected_output = 64.0  # running mean of generated lengths, for placement
         self._reference: DeviceInfo | None = None  # the first executor's model, for checks
         self._kick = asyncio.Event()  # wakes the maintenance loop
@@ -123,11 +139,29 @@ class Engine:
         self._kick.set()
 
     def session_removed(self, address: str) -> None:
+        """The session ended for good: forget it, and its metric series."""
         session = self.sessions.get(address)
         if session is not None and session.state is SessionState.REMOVED:
             del self.sessions[address]
+            self.metrics.remove_executor(address)
             log.info("executor %s removed", address)
         self._refresh_limits()
+
+    def claim_incarnation(self, address: str, incarnation: str) -> str:
+        """One session per executor process: the address already driving `incarnation`
+        (another live session), or "" once the session at `address` holds the claim."""
+        holder = self._drivers.get(incarnation, "")
+        if holder and holder != address and holder in self.sessions:
+            return holder
+        self.release_incarnation(address)
+        self._drivers[incarnation] = address
+        self._claims[address] = incarnation
+        return ""
+
+    def release_incarnation(self, address: str) -> None:
+        incarnation = self._claims.pop(address, None)
+        if incarnation is not None and self._drivers.get(incarnation) == address:
+            del self._drivers[incarnation]
 
     def request_done(self, tracked: Tracked, reason: str | None, address: str, now: float) -> None:
         """A request finished on an executor: the expected output length, a log line."""
@@ -222,10 +256,16 @@ class Engine:
     async def generate(self, gen: GenerationRequest) -> AsyncIterator[OutputDelta]:
         """Run one request; yields its deltas; aborts it if the consumer goes away.
 
-        Raises NoExecutorError when no healthy executor takes it within the timeout.
+        Raises NoExecutorError when no healthy executor takes it within the timeout; a request
+        that cannot run ends with an error delta.
         """
         tracked = track(gen, self.tokenizer)
-        if not self._place(tracked):
+        problem = new_request_wire_problem(
+            NewRequestData(gen.request_id, gen.prompt_token_ids, [], gen.sampling, [], 0, 0)
+        )
+        if problem:  # it would fail the step it joins: it fails alone, before any executor
+            self._fail_alone(tracked, problem)
+        elif not self._place_or_fail(tracked):
             self._wait(tracked)
         finished = False
         try:
@@ -246,6 +286,17 @@ class Engine:
             session.abort(tracked)
         elif self.waiting.pop(tracked.gen.request_id, None) is not None:
             count_finished(self.metrics, "abort", tracked)
+
+    def _place_or_fail(
+        self, tracked: Tracked, exclude: str | None = None, startable_only: bool = False
+    ) -> bool:
+        """``_place``, failing the request alone when no scheduler can ever run it (then True:
+        it is taken care of)."""
+        try:
+            return self._place(tracked, exclude, startable_only)
+        except ValueError as exc:
+            self._fail_alone(tracked, f"the request cannot run: {exc}")
+            return True
 
     def _place(
         self, tracked: Tracked, exclude: str | None = None, startable_only: bool = False
@@ -321,16 +372,20 @@ class Engine:
         """Place requests taken from the lost executor at `source` elsewhere; they resume by
         recompute."""
         now = time.perf_counter()
+        limit = self.config.max_request_moves
         for tracked in moved:
+            tracked.num_failovers += 1
+            if tracked.num_failovers > limit:  # it may be what takes executors down
+                self._fail_alone(
+                    tracked,
+                    f"the request's executor was lost {tracked.num_failovers} times while it "
+                    f"ran; it is not moved more than {limit} times",
+                )
+                continue
             tracked.num_moves += 1
             tracked.prompt_logprobs_skip = tracked.prompt_logprobs_sent
             tracked.lost_at = tracked.lost_at or now
-            try:
-                placed = self._place(tracked, exclude=source)
-            except ValueError as exc:
-                self._fail(tracked, RuntimeError(f"request cannot be resumed: {exc}"))
-                continue
-            if not placed:
+            if not self._place_or_fail(tracked, exclude=source):
                 self._wait(tracked)
         log.info(
             "failover from %s: %d requests moved, %d waiting for an executor",
@@ -341,6 +396,12 @@ class Engine:
 
     def _fail(self, tracked: Tracked, error: Exception) -> None:
         tracked.queue.put_nowait(error)
+        count_finished(self.metrics, "error", tracked)
+
+    def _fail_alone(self, tracked: Tracked, error: str) -> None:
+        """End a request on no executor with an error to its client (a 500 there)."""
+        log.warning("request %s failed: %s", tracked.gen.request_id, error, extra=tracked.log_extra)
+        deliver(tracked, error_delta(tracked, error))
         count_finished(self.metrics, "error", tracked)
 
     # --- maintenance: waiting requests and the affinity bound --------------------------
@@ -363,12 +424,7 @@ class Engine:
             return
         now = time.monotonic()
         for rid, tracked in sorted(self.waiting.items(), key=lambda kv: kv[1].waiting_since):
-            try:
-                placed = self._place(tracked)
-            except ValueError as exc:
-                del self.waiting[rid]
-                self._fail(tracked, RuntimeError(f"request cannot run: {exc}"))
-                continue
+            placed = self._place_or_fail(tracked)
             if placed:
                 del self.waiting[rid]
             elif now - tracked.waiting_since >= self.config.no_executor_timeout:
@@ -391,7 +447,7 @@ class Engine:
                 for tracked in session.stale_waiting(float("inf")):
                     session.withdraw(tracked)
                     self.metrics.rebalanced()
-                    if not self._place(tracked):
+                    if not self._place_or_fail(tracked):
                         self._wait(tracked)
         if len(healthy) < 2:
             return
@@ -404,6 +460,6 @@ class Engine:
                 session.withdraw(tracked)
                 tracked.num_moves += 1
                 self.metrics.rebalanced()
-                if not self._place(tracked, exclude=session.address, startable_only=True):
-                    if not self._place(tracked):
+                if not self._place_or_fail(tracked, session.address, startable_only=True):
+                    if not self._place_or_fail(tracked):
                         self._wait(tracked)

@@ -20,6 +20,13 @@ class SessionOwner(Protocol):
     def check_compatible(self, address: str, info: DeviceInfo) -> None:
         """Raise when the executor a handshake described cannot join the fleet."""
 
+    def claim_incarnation(self, address: str, incarnation: str) -> str:
+        """Let the session at `address` drive the executor process `incarnation`; the address
+        of the session that already drives it ("" when none: the claim is taken)."""
+
+    def release_incarnation(self, address: str) -> None:
+        """The session at `address` no longer drives the executor it claimed."""
+
     def cost_prior(self, address: str) -> tuple[float, float] | None:
         """(overhead, per_token) to start an unmeasured executor's step cost from; None keeps
         the default prior."""

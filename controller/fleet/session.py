@@ -7,8 +7,10 @@ beside it. A broken stream, a step past its deadline or failed health checks mak
 lost: its requests are handed back to the owner (which moves them elsewhere) and the session
 reconnects with backoff. Every successful handshake reinitializes the executor's KV cache, so
 the session always starts with an empty pool; a new incarnation id also tells it the process
-restarted. It reports only through the `SessionOwner` it is given, and shows itself to the rest
-of the controller as `ExecutorSnapshot`s.
+restarted. Before its handshake, a session asks the executor who it is (Identify): an executor
+another session already drives (the same process under another address) is not driven twice;
+this session waits as a duplicate and retries. It reports only through the `SessionOwner` it is
+given, and shows itself to the rest of the controller as `ExecutorSnapshot`s.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class SessionState(enum.Enum):
     HEALTHY = "healthy"  # connected; takes new work
     UNHEALTHY = "unhealthy"  # lost; reconnecting with backoff
     DRAINING = "draining"  # left discovery: finishes its requests, takes no new work
+    DUPLICATE = "duplicate"  # another address reaches the same executor: waits, retrying
     REMOVED = "removed"  # gone for good
 
 
@@ -78,6 +81,7 @@ class ExecutorSession(StepLoop):
         self.cost = StepCostModel()  # measured step times
         self.last_loss = ""  # why it was last lost
         self.connect_error = ""  # why the current connection attempts fail ("" once connected)
+        self.duplicate_of = ""  # the address driving the same executor, while a duplicate
         self.incarnations = 0  # distinct incarnation ids seen
         self.losses = 0  # times lost
         self.reconnects = 0  # handshakes after a loss
@@ -173,6 +177,7 @@ class ExecutorSession(StepLoop):
             reconnects=self.reconnects,
             last_loss=self.last_loss,
             connect_error=self.connect_error,
+            duplicate_of=self.duplicate_of,
         )
 
     @property
@@ -276,6 +281,7 @@ class ExecutorSession(StepLoop):
                     await self.health.stop()
         finally:
             self._set_state(SessionState.REMOVED)
+            self.owner.release_incarnation(self.address)
             self.owner.session_removed(self.address)
             await self.client.close()
 
@@ -293,7 +299,10 @@ class ExecutorSession(StepLoop):
             if status == "UNREACHABLE":  # the health call itself failed
                 self.metrics.grpc_error(self.series, status)
             raise ExecutorLost(f"health: {status}")
+        await self._claim(await self.client.identify(cfg.health_check_timeout))
         hs = await handshake(self.client, cfg)
+        if hs.info.incarnation_id:  # restarted since Identify: claim the new process
+            await self._claim(hs.info.incarnation_id)
         self.owner.check_compatible(self.address, hs.info)
         self._retire_scheduler()
         self.scheduler = new_scheduler(cfg, hs.info, hs.num_blocks)
@@ -323,6 +332,25 @@ class ExecutorSession(StepLoop):
         self._set_state(SessionState.DRAINING if self.leaving else SessionState.HEALTHY)
         self.owner.session_ready(self.address)
 
+    async def _claim(self, incarnation: str) -> None:
+        """Drive the executor process `incarnation` ("": it does not say), unless another
+        session does: then wait as its duplicate (ExecutorLost, retried with backoff)."""
+        holder = self.owner.claim_incarnation(self.address, incarnation) if incarnation else ""
+        if holder:
+            if self.duplicate_of != holder:
+                log.warning(
+                    "executor %s is the executor at %s (incarnation %s): not driven twice",
+                    self.address,
+                    holder,
+                    incarnation[:8],
+                )
+            self.duplicate_of = holder
+            self._set_state(SessionState.DUPLICATE)
+            raise ExecutorLost(f"the same executor as {holder} (incarnation {incarnation[:8]})")
+        self.duplicate_of = ""
+        if self.state is SessionState.DUPLICATE:
+            self._set_state(SessionState.CONNECTING)
+
     def _on_lost(self, reason: str) -> None:
         """Hand every request back to the owner (it moves them) and drop the connection's
         scheduler.
@@ -337,6 +365,7 @@ class ExecutorSession(StepLoop):
         )
         self.metrics.executor_lost(self.series)
         self._set_state(SessionState.UNHEALTHY)
+        self.owner.release_incarnation(self.address)
         moved = list(self.tracked.values())
         for tracked in moved:
             self.tracked.remove(tracked)

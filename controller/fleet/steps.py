@@ -4,20 +4,36 @@ This is the per-step path, kept apart from the session's connection lifecycle (s
 `ExecutorSession` inherits `StepLoop`. Up to `pipeline_depth` steps are in flight: the next one
 is scheduled and sent while the executor runs the previous one, so the device never waits for
 the controller. Each result's updates become the clients' deltas, and the step's metrics.
+
+A request fails alone: one whose data cannot be put on the wire is left out of its step and
+finished with an error (the rest of the step goes out), and one whose delta cannot be made (the
+detokenizer, stop strings) is finished with an error too. Nothing a request carries can raise
+out of the loop, which would count the executor as lost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from controller.fleet.tracked import count_finished, deliver, hold_quietly, make_delta
+from common.wire.convert import step_wire_problems
+from controller.core.scheduler_base import RequestUpdate
+from controller.fleet.client import StepNotSendable
+from controller.fleet.tracked import (
+    count_finished,
+    deliver,
+    error_delta,
+    hold_quietly,
+    make_delta,
+)
 
 if TYPE_CHECKING:
     from common.wire.step_types import StepInput
-    from controller.core.scheduler import RequestUpdate, SchedulerBase
+    from controller.core.scheduler import SchedulerBase
     from controller.fleet.client import ExecutorClient
     from controller.fleet.health import HealthMonitor
     from controller.fleet.owner import SessionOwner
@@ -26,6 +42,8 @@ if TYPE_CHECKING:
     from controller.fleet.tracked import Tracked
     from controller.observe.metrics import EngineMetrics, ExecutorSeries
     from controller.settings import ControllerConfig
+
+log = logging.getLogger(__name__)
 
 
 class StepLoop:
@@ -76,7 +94,7 @@ class StepLoop:
                     sent = time.perf_counter()
                     if step.new_requests:
                         self._stamp_scheduled(step, sent)
-                    await self.health.guard(self.client.send_step(step))
+                    step = await self._send(step)
                     inflight.append((step, sent))
                     continue
             if not inflight:
@@ -105,8 +123,68 @@ class StepLoop:
             for update in updates:
                 tracked = find(update.request_id)
                 if tracked is not None and tracked.request is not None:
-                    self._emit(tracked, update, now, series)
+                    try:
+                        self._emit(tracked, update, now, series)
+                    except Exception as exc:  # this request's fault: it fails alone
+                        self._emit_failed(tracked, exc, series)
             self.metrics.step_done(series, num_tokens, step.num_requests, seconds, sched.stats())
+
+    async def _send(self, step: StepInput) -> StepInput:
+        """Send a step; the step sent. Requests whose data cannot be converted are left out
+        and fail alone (the executor never sees them)."""
+        try:
+            await self.health.guard(self.client.send_step(step))
+            return step
+        except StepNotSendable as exc:
+            problems = step_wire_problems(step)
+            if not problems:  # no request alone explains it: none of them can go
+                reason = f"the step could not be sent to the executor: {exc}"
+                problems = {
+                    r.request_id: reason for r in [*step.new_requests, *step.cached_requests]
+                }
+        log.warning(
+            "executor %s: %d requests of step %d cannot be sent; they fail alone",
+            self.address,
+            len(problems),
+            step.step_id,
+        )
+        self.fail_requests(problems)
+        step = replace(
+            step,
+            new_requests=[r for r in step.new_requests if r.request_id not in problems],
+            cached_requests=[r for r in step.cached_requests if r.request_id not in problems],
+        )
+        await self.health.guard(self.client.send_step(step))
+        return step
+
+    def fail_requests(self, errors: dict[str, str]) -> None:
+        """Finish these requests (by id, with why) with an error to their clients, freeing
+        their blocks; the session and the other requests go on."""
+        sched = self.scheduler
+        assert sched is not None
+        sched.finish_requests(list(errors), "error")
+        now, series = time.perf_counter(), self.series
+        for rid, error in errors.items():
+            tracked = self.tracked.get(rid)
+            if tracked is None:
+                continue
+            log.warning("request %s failed: %s", rid, error, extra=tracked.log_extra)
+            update = RequestUpdate(rid, finished=True, finish_reason="error", error=error)
+            try:
+                self._emit(tracked, update, now, series)
+            except Exception as exc:
+                self._emit_failed(tracked, exc, series)
+
+    def _emit_failed(self, tracked: Tracked, exc: Exception, series: ExecutorSeries) -> None:
+        """Making a request's delta raised: finish it with an error (a bare delta, no text)."""
+        rid = tracked.gen.request_id
+        log.exception("request %s: its output failed", rid, extra=tracked.log_extra)
+        if self.scheduler is not None:
+            self.scheduler.finish_requests([rid], "error")
+        if self.tracked.remove(tracked):
+            deliver(tracked, error_delta(tracked, f"the request's output failed: {exc!r}"[:300]))
+            count_finished(self.metrics, "error", tracked, time.perf_counter(), series)
+            self.owner.request_done(tracked, "error", self.address, time.perf_counter())
 
     def _stamp_scheduled(self, step: StepInput, sent: float) -> None:
         """The queue time of requests scheduled the first time ends when their step goes out."""

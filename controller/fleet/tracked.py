@@ -35,6 +35,7 @@ class Tracked:
     queued_hashes: list[bytes] = field(default_factory=list)  # its blocks announced there
     expected_hit: int = 0  # tokens placement found cached for it there (admission reuses them)
     num_moves: int = 0  # times moved to another executor (failover or rebalance)
+    num_failovers: int = 0  # times its executor was lost under it (bounded: max_request_moves)
     lost_at: float = 0.0  # perf_counter when its executor was lost; 0 once resumed
     waiting_since: float = 0.0  # monotonic time it started waiting for an executor
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache where it started
@@ -166,6 +167,21 @@ def make_delta(tracked: Tracked, update: RequestUpdate) -> OutputDelta:
         num_output_tokens=req.num_output_tokens,
         num_cached_tokens=tracked.num_cached_tokens,
         error=update.error or "",
+    )
+
+
+def error_delta(tracked: Tracked, error: str) -> OutputDelta:
+    """The last delta of a request that failed alone (nothing new besides the error, kept
+    encodable: it may quote what the client sent)."""
+    req = tracked.request
+    return OutputDelta(
+        request_id=tracked.gen.request_id,
+        finished=True,
+        finish_reason="error",
+        num_prompt_tokens=len(tracked.gen.prompt_token_ids),
+        num_output_tokens=req.num_output_tokens if req is not None else 0,
+        num_cached_tokens=tracked.num_cached_tokens,
+        error=error.encode("utf-8", "backslashreplace").decode("utf-8"),
     )
 
 

@@ -258,6 +258,26 @@ class EngineMetrics:
             s = self._series[executor] = self._bind(executor, accelerator)
         return s
 
+    def remove_executor(self, executor: str) -> None:
+        """Drop every series labelled with this executor (it left the fleet): /metrics stops
+        showing it instead of keeping its last values forever."""
+        self._series.pop(executor, None)
+        self._last.pop(executor, None)
+        for family in self._families():
+            names = family._labelnames
+            at = names.index("executor")
+            # prometheus_client keeps a family's children by label values (no public listing).
+            for labels in [k for k in list(family._metrics) if k[at] == executor]:
+                family.remove(*labels)
+
+    def _families(self) -> list[Any]:
+        """The labelled families with an `executor` label."""
+        return [
+            m
+            for m in vars(self).values()
+            if isinstance(m, (Counter, Histogram)) and "executor" in m._labelnames
+        ]
+
     def _no_executor(self) -> ExecutorSeries:
         if self._none is None:
             self._none = self._bind(NO_EXECUTOR, NO_EXECUTOR)

@@ -44,4 +44,5 @@ def executor_report(snap: ExecutorSnapshot, now: float | None = None) -> dict:
         "reconnects": snap.reconnects,
         "last_loss": snap.last_loss,
         "connect_error": snap.connect_error,
+        "duplicate_of": snap.duplicate_of,
     }

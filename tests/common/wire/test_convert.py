@@ -115,3 +115,20 @@ def test_the_scheduler_reads_both_result_forms_alike():
         return seen
 
     assert run(packed=True) == run(packed=False)
+
+
+def test_requests_that_cannot_go_on_the_wire_are_named_without_echoing_them():
+    ok = NewRequestData("ok", [1, 2], [], SamplingParams(seed=2**63 - 1), [1], 0, 2)
+    seed = NewRequestData("seed", [1, 2], [], SamplingParams(seed=2**63), [2], 0, 2)
+    token = NewRequestData("token", [1, 2**31], [], SamplingParams(), [3], 0, 2)
+    name = NewRequestData("\ud800", [1], [], SamplingParams(), [4], 0, 1)
+    assert convert.new_request_wire_problem(ok) == ""
+    assert "out of range" in convert.new_request_wire_problem(seed)
+    step = StepInput(
+        1, [ok, seed, token, name], [CachedRequestData("big", [2**40], 0, 1)], ["done"]
+    )
+    problems = convert.step_wire_problems(step)
+    assert set(problems) == {"seed", "token", "\ud800", "big"}
+    for text in problems.values():
+        text.encode("utf-8")  # never quotes a lone surrogate back
+    assert "\\ud800" in problems["\ud800"]

@@ -163,6 +163,7 @@ def test_admin_report_is_a_function_of_a_snapshot():
         "reconnects": 1,
         "last_loss": "stream broke",
         "connect_error": "",
+        "duplicate_of": "",
     }
     before = snapshot(kind=None, device=None, incarnation=None, state="connecting")
     report = executor_report(before)

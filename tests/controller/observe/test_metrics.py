@@ -80,3 +80,24 @@ def test_series_rebind_on_a_new_accelerator_and_events_on_no_executor():
     assert _value(m, "vllm:request_generation_tokens_count", **none) == 0
     # Nothing is exposed for an executor before its first event.
     assert b'executor="e:2"' not in generate_latest(m.registry)
+
+
+def test_an_executor_that_leaves_takes_its_series_with_it():
+    m = EngineMetrics("m")
+    gone, kept = m.series("gone:1", "gpu"), m.series("kept:1", "tpu")
+    m.series("gone:1", "cpu")  # another device answered there once: both label sets go
+    for s in (gone, kept):
+        r = RequestStats(arrival=1.0, prompt_tokens=3)
+        m.tokens_generated(s, r, 1, 2.0)
+        m.step_done(s, 3, 1, 0.1, _stats(16, 8, 1))
+        m.request_finished("stop", r, 1, 2.0, s)
+        m.executor_lost(s)
+        m.grpc_error(s, "UNAVAILABLE")
+    m.remove_executor("gone:1")
+    text = generate_latest(m.registry).decode()
+    assert 'executor="gone:1"' not in text
+    assert text.count('executor="kept:1"') > 20  # every family of the other one stays
+    assert _value(m, "tandem:executor_lost_total", executor="kept:1", accelerator="tpu") == 1
+    back = m.series("gone:1", "gpu")  # it rejoins: fresh series, from zero
+    assert back is not gone
+    assert _value(m, "tandem:executor_lost_total", executor="gone:1", accelerator="gpu") == 0
