@@ -90,7 +90,8 @@ def test_a_default_install_requires_mtls_and_the_token(rendered):
         assert flag_values(args, "--admin-api-key-file") == ["/etc/tandem/admin-keys/admin-keys"]
         assert volume(dep, "executor-tls")["secret"]["secretName"] == CONTROLLER_TLS
         assert volume(dep, "executor-token")["secret"]["secretName"] == TOKEN
-        assert volume(dep, "admin-keys")["secret"]["secretName"] == ADMIN
+        own = "tandem-admin" if values_file == "tpu-values.yaml" else ADMIN  # ci: its own
+        assert volume(dep, "admin-keys")["secret"]["secretName"] == own
         assert mount(ctrl, "admin-keys")["readOnly"] is True
         for sts in m.all("StatefulSet"):
             e = container(sts, "executor")
@@ -177,6 +178,12 @@ def test_the_kubelet_waits_for_the_drain(renderer, tmp_path, controller, kill, g
     assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == kill
     assert flag_values(container(dep, "controller")["args"], "--shutdown-grace") == [grace]
     assert kill > float(grace) + 15  # the flush (5 s) and the server's close (10 s)
+
+
+def test_the_mixed_example_drains_for_two_minutes(rendered):
+    dep = rendered["mixed-values.yaml"].get("Deployment", CTRL)
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 140
+    assert flag_values(container(dep, "controller")["args"], "--shutdown-grace") == ["120"]
 
 
 @pytest.mark.parametrize(
