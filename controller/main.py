@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import gc
 
-import uvicorn
-
 from common.logs import configure_logging
 from controller.api.admission import Admission, AdmissionLimits
+from controller.api.http_guard import HTTPStats
+from controller.api.http_server import HTTPCollector, uvicorn_config
 from controller.api.server import create_app
 from controller.api.serving import OpenAIServing
 from controller.api.shutdown import GracefulServer
@@ -37,7 +37,7 @@ def tune_gc() -> None:
 
 def build_server(config: ControllerConfig) -> GracefulServer:
     """The tokenizer, the engine over the fleet, admission, the OpenAI handlers and the app,
-    behind a server that drains on SIGTERM."""
+    behind a server that bounds its connections and drains on SIGTERM."""
     tokenizer = Tokenizer.from_model_dir(config.model)
     engine = Engine(config, tokenizer)
     admission = Admission(
@@ -46,21 +46,10 @@ def build_server(config: ControllerConfig) -> GracefulServer:
     serving = OpenAIServing(
         engine, tokenizer, config.served_model_name, config.max_logprobs, admission
     )
-    app = create_app(engine, serving)
-    return GracefulServer(
-        uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.port,
-            log_level="warning",
-            timeout_graceful_shutdown=10,
-            timeout_keep_alive=config.http_keep_alive,
-            ssl_certfile=config.ssl_certfile or None,
-            ssl_keyfile=config.ssl_keyfile or None,
-        ),
-        admission,
-        config.shutdown_grace,
-    )
+    http_stats = HTTPStats()
+    engine.metrics.registry.register(HTTPCollector(http_stats))
+    app = create_app(engine, serving, http_stats=http_stats)
+    return GracefulServer(uvicorn_config(app, config, http_stats), admission, config.shutdown_grace)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m controller") -> None:

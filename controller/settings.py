@@ -13,11 +13,14 @@ from common.wire.rpc_token import read_token
 
 DEFAULT_EXECUTOR = "127.0.0.1:50051"  # the executor of a controller given no other
 API_KEY_ENV = "TANDEM_API_KEY"  # one more accepted API key (besides --api-key, --api-key-file)
+ADMIN_API_KEY_ENV = "TANDEM_ADMIN_API_KEY"  # one more admin key (besides the flags)
 FLEET = "fleet: discovery, health, failover, placement"
 ROBUSTNESS = "fleet robustness: what one request or executor can cost the others"
 LIMITS = "limits: admission control and request size"
 REQUEST_LIMITS = "request limits: what one request may ask for"
 AUTH = "authentication of API clients"
+ADMIN = "admin: who may read /admin/* (executor addresses and details)"
+HTTP = "HTTP server: connection limits and read timeouts"
 TLS = "TLS: HTTPS for clients, TLS/mTLS and a token to executors"
 _LIMIT_SPEC = re.compile(r"[^=,]+=\d+(,\d+)?")
 
@@ -99,6 +102,36 @@ class ControllerConfig(TandemSettings):
         75.0,
         "seconds an idle HTTP keep-alive connection stays open (keep it above the idle "
         "timeout of any proxy in front)",
+        group=HTTP,
+    )
+    # Half-open and slow connections: each holds a socket (a file descriptor) and memory, so
+    # their number and the time a client may take to send a request are bounded.
+    http_max_connections: int = setting(
+        2048,
+        "most open HTTP connections; more are answered 503 and closed at once (0 = no bound; "
+        "held below the process's file limit)",
+        group=HTTP,
+        ge=0,
+    )
+    http_max_header_bytes: int = setting(
+        64 * 1024,
+        "largest request line plus headers; larger ones get 431 (0 = no bound)",
+        group=HTTP,
+        ge=0,
+    )
+    http_header_timeout: float = setting(
+        20.0,
+        "seconds a client may take to send its request line and headers, from the connection "
+        "(or its next request's first byte); then 408 and close (0 = none)",
+        group=HTTP,
+        ge=0,
+    )
+    http_body_timeout: float = setting(
+        60.0,
+        "seconds a request's whole body may take to arrive after its headers; then 408 and "
+        "close (0 = none)",
+        group=HTTP,
+        ge=0,
     )
     # Shutdown: on SIGTERM admit nothing, let responses finish this long, then abort the rest.
     shutdown_grace: float = setting(
@@ -249,6 +282,25 @@ class ControllerConfig(TandemSettings):
         metavar="PATH",
     )
 
+    # Admin routes (/admin/*: executor addresses, fleet and admission details): their own keys,
+    # never the API keys; without one, only clients on this host (loopback) reach them.
+    admin_api_keys: list[str] = setting(
+        [],
+        "admin Bearer key for /admin/* (repeatable; $TANDEM_ADMIN_API_KEY adds one more; "
+        "none = /admin/* answers direct loopback clients only)",
+        aliases=("admin_api_key",),
+        group=ADMIN,
+        metavar="KEY",
+        env=False,  # TANDEM_ADMIN_API_KEY holds one key, added to the others (load_api_keys)
+    )
+    admin_api_key_files: list[str] = setting(
+        [],
+        "file of admin keys, one per line (repeatable)",
+        aliases=("admin_api_key_file",),
+        group=ADMIN,
+        metavar="PATH",
+    )
+
     # HTTPS for the HTTP endpoint ("" = plain HTTP).
     ssl_certfile: str = setting("", "PEM certificate chain: serve HTTPS", group=TLS, metavar="PATH")
     ssl_keyfile: str = setting("", "PEM key of --ssl-certfile", group=TLS, metavar="PATH")
@@ -282,7 +334,7 @@ class ControllerConfig(TandemSettings):
         return self
 
     def finalize(self) -> None:
-        """The served name, the default executor, the API keys and the executor token."""
+        """The served name, the default executor, the API and admin keys and the executor token."""
         if not self.served_model_name:
             self.served_model_name = os.path.basename(os.path.normpath(self.model))
         if not (self.executors or self.executor_dns or self.executor_files):
@@ -291,6 +343,14 @@ class ControllerConfig(TandemSettings):
             self.api_keys = load_api_keys(self.api_keys, self.api_key_files)
         except OSError as e:
             raise SettingError("api_key_files", str(e)) from None
+        try:
+            self.admin_api_keys = load_api_keys(
+                self.admin_api_keys, self.admin_api_key_files, variable=ADMIN_API_KEY_ENV
+            )
+        except OSError as e:
+            raise SettingError("admin_api_key_files", str(e)) from None
+        if set(self.admin_api_keys) & set(self.api_keys):
+            raise SettingError("admin_api_keys", "an admin key may not also be an API key")
         if self.auth_token_file:
             try:
                 self.executor_token = read_token(self.auth_token_file)
@@ -298,9 +358,11 @@ class ControllerConfig(TandemSettings):
                 raise SettingError("auth_token_file", str(e)) from None
 
 
-def load_api_keys(keys: list[str], files: list[str], environ=os.environ) -> list[str]:
-    """Every configured API key: the given ones, each file's lines (# comments skipped), and
-    $TANDEM_API_KEY (one key, added to the others)."""
+def load_api_keys(
+    keys: list[str], files: list[str], environ=os.environ, variable: str = API_KEY_ENV
+) -> list[str]:
+    """Every configured key: the given ones, each file's lines (# comments skipped), and
+    the environment `variable` ($TANDEM_API_KEY: one key, added to the others)."""
     found = [k.strip() for k in keys if k.strip()]
     for path in files:
         with open(path, encoding="utf-8") as f:
@@ -308,7 +370,7 @@ def load_api_keys(keys: list[str], files: list[str], environ=os.environ) -> list
                 line = line.strip()
                 if line and not line.startswith("#"):
                     found.append(line)
-    env = environ.get(API_KEY_ENV, "").strip()
+    env = environ.get(variable, "").strip()
     if env:
         found.append(env)
     return list(dict.fromkeys(found))

@@ -1,19 +1,32 @@
-"""API keys: Bearer tokens on every HTTP route but a few exempt ones (probes, scraping).
+"""API keys and admin keys: Bearer tokens on every HTTP route but a few exempt ones (probes,
+scraping), and a separate gate on the admin routes.
 
-Keys come from `--api-key` (repeatable), `--api-key-file` (one key per line; blank lines and
-`#` comments skipped) and the TANDEM_API_KEY environment variable. Without any key the API is
-open. A presented key is compared with every configured key in constant time (over SHA-256
+API keys come from `--api-key` (repeatable), `--api-key-file` (one key per line; blank lines
+and `#` comments skipped) and the TANDEM_API_KEY environment variable. Without any key the API
+is open. A presented key is compared with every configured key in constant time (over SHA-256
 digests, so neither the matching key nor key lengths show in the timing).
+
+The admin routes (`/admin/*`: executor addresses, the fleet's and admission's details) take
+admin keys only (`--admin-api-key`, `--admin-api-key-file`, TANDEM_ADMIN_API_KEY), never API
+keys, and an admin key serves no API route: a client's key never shows the fleet, and the key
+of a dashboard or an operator's script never spends compute. Without any admin key they answer
+only clients connected directly over loopback (a shell on the host or in the pod, `kubectl
+port-forward`), and 403 to everyone else.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 
 from controller.api.errors import APIError, error_response
 
 DEFAULT_EXEMPT_PATHS = ("/health", "/metrics")
+ADMIN_PREFIX = "/admin/"  # the admin routes
+# Request headers a proxy adds: a request carrying one did not come from this host itself,
+# whatever its peer address says.
+_PROXY_HEADERS = (b"forwarded", b"x-forwarded-for", b"x-real-ip", b"via")
 
 
 def _digest(key: str) -> bytes:
@@ -49,6 +62,27 @@ def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
+def is_admin_path(path: str) -> bool:
+    """Whether a path is an admin route (guarded by AdminAuth, not by API keys)."""
+    return path.startswith(ADMIN_PREFIX) or path == ADMIN_PREFIX.rstrip("/")
+
+
+def direct_loopback(scope) -> bool:
+    """Whether the request came over a loopback connection with no proxy in between."""
+    client = scope.get("client")
+    if not client:
+        return False  # a Unix socket or an unknown peer: not provably local
+    try:
+        address = ipaddress.ip_address(client[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+        address = address.ipv4_mapped
+    if not address.is_loopback:
+        return False
+    return not any(name in _PROXY_HEADERS for name, _ in scope.get("headers", ()))
+
+
 def _unauthorized(message: str) -> APIError:
     return APIError(
         message,
@@ -68,7 +102,12 @@ class APIKeyAuth:
         self.exempt = frozenset(exempt_paths)  # paths served without a key
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not self.checker or scope["path"] in self.exempt:
+        if (
+            scope["type"] != "http"
+            or not self.checker
+            or scope["path"] in self.exempt
+            or is_admin_path(scope["path"])  # AdminAuth's
+        ):
             await self.app(scope, receive, send)
             return
         token = bearer_token(scope.get("headers", []))
@@ -83,3 +122,43 @@ class APIKeyAuth:
             await self.app(scope, receive, send)
             return
         await error_response(err)(scope, receive, send)
+
+
+def _forbidden() -> APIError:
+    return APIError(
+        "Admin routes answer local clients only: set --admin-api-key to reach them remotely.",
+        403,
+        code="admin_forbidden",
+        err_type="permission_error",
+    )
+
+
+class AdminAuth:
+    """ASGI middleware on the admin routes: a valid admin key (401 otherwise) when admin keys
+    are configured; without any, direct loopback clients only (403 otherwise)."""
+
+    def __init__(self, app, keys: list[str]):
+        self.app = app  # the wrapped ASGI app
+        self.checker = KeyChecker(keys)  # the configured admin keys
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not is_admin_path(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        if not self.checker:
+            err = None if direct_loopback(scope) else _forbidden()
+        else:
+            token = bearer_token(scope.get("headers", []))
+            if token is None:
+                err = _unauthorized(
+                    "Admin routes need an admin key in the Authorization header as "
+                    "'Bearer ADMIN_KEY'."
+                )
+            elif not self.checker.valid(token):
+                err = _unauthorized("Incorrect admin key provided.")
+            else:
+                err = None
+        if err is None:
+            await self.app(scope, receive, send)
+        else:
+            await error_response(err)(scope, receive, send)

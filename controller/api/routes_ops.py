@@ -1,4 +1,9 @@
-"""Operations routes: health, the fleet's state, Prometheus metrics, version."""
+"""Operations routes: health, the fleet's state, Prometheus metrics, version.
+
+`/health` is for probes and load balancers, unauthenticated: its status code and
+`{"status": ...}`, nothing about the fleet. The fleet's details (executor addresses, load,
+admission) are under `/admin/`, behind the admin gate (`controller/api/auth.py` `AdminAuth`).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from controller.api.admission import Admission
 from controller.fleet.engine import Engine
 
 VERSION = "0.1.0"
-# What /health shows per executor (the admin endpoint shows everything).
+# What /admin/health shows per executor (/admin/executors shows everything).
 _HEALTH_FIELDS = (
     "address",
     "state",
@@ -25,19 +30,28 @@ _HEALTH_FIELDS = (
 
 
 def add_ops_routes(app: FastAPI, engine: Engine, admission: Admission) -> None:
-    """/health, /admin/executors, /metrics and /version."""
+    """/health, /admin/health, /admin/executors, /metrics and /version."""
+
+    def status() -> tuple[str, int]:
+        ok = engine.healthy and not admission.draining
+        text = "draining" if admission.draining else "ok" if ok else "unavailable"
+        return text, 200 if ok else 503
 
     @app.get("/health")
     async def health():
+        text, code = status()
+        return JSONResponse({"status": text}, status_code=code)
+
+    @app.get("/admin/health")
+    async def health_details():
+        text, code = status()
         states = engine.executors_state()
-        ok = engine.healthy and not admission.draining
-        status = "draining" if admission.draining else "ok" if ok else "unavailable"
         state = {
-            "status": status,
+            "status": text,
             "healthy_executors": sum(e["healthy"] for e in states),
             "executors": [{k: e[k] for k in _HEALTH_FIELDS} for e in states],
         }
-        return JSONResponse(state, status_code=200 if ok else 503)
+        return JSONResponse(state, status_code=code)
 
     @app.get("/admin/executors")
     async def executors():

@@ -18,7 +18,12 @@ from controller.api.admission import Admission
 
 log = logging.getLogger(__name__)
 
-_FLUSH_SECONDS = 5.0  # how long aborted responses get to send their last chunk
+FLUSH_SECONDS = 5  # how long aborted responses get to send their last chunk
+CLOSE_SECONDS = 10  # then how long uvicorn waits for connections and tasks to end
+# After SIGTERM the process needs at most --shutdown-grace + SHUTDOWN_EXTRA_SECONDS (the flush,
+# the close, and the engine's stop): a supervisor's kill deadline (Kubernetes'
+# terminationGracePeriodSeconds; the Helm chart derives it) must be longer.
+SHUTDOWN_EXTRA_SECONDS = FLUSH_SECONDS + CLOSE_SECONDS + 5
 
 
 class GracefulServer(uvicorn.Server):
@@ -59,6 +64,6 @@ class GracefulServer(uvicorn.Server):
         if not await adm.wait_idle(self.grace):
             count = adm.abort_all()
             log.warning("shutdown grace over: aborting %d responses", count)
-            if not await adm.wait_idle(_FLUSH_SECONDS):
+            if not await adm.wait_idle(FLUSH_SECONDS):
                 log.warning("%d responses did not end after the abort", adm.active)
         self.should_exit = True

@@ -22,6 +22,7 @@ MODEL = "/models/Some-Model"
 @pytest.fixture(autouse=True)
 def _no_api_key_variable(monkeypatch):
     monkeypatch.delenv("TANDEM_API_KEY", raising=False)  # load_api_keys reads os.environ
+    monkeypatch.delenv("TANDEM_ADMIN_API_KEY", raising=False)
 
 
 def load(argv: list[str], environ: dict | None = None, **kw) -> ControllerConfig:
@@ -167,6 +168,7 @@ def test_every_setting_has_its_variable(tmp_path):
         "executor_limits": "tpu=64,8,gpu=512",
         "auth_token_file": str(tmp_path / "t"),
         "api_key_files": "",
+        "admin_api_key_files": "",
         "auth_exempt_paths": "/a,/b",
     }
     for name, field in ControllerConfig.model_fields.items():
@@ -175,7 +177,7 @@ def test_every_setting_has_its_variable(tmp_path):
         value = special.get(name, sample(field))
         config = load([], {"TANDEM_MODEL": "/m/x", fields.env_name(name): value})
         default = ControllerConfig.model_fields[name].default
-        if name not in ("api_key_files",):
+        if name not in ("api_key_files", "admin_api_key_files"):
             assert getattr(config, name) != default, name
     config = load([], {"TANDEM_MODEL": "/m/x", "TANDEM_EXECUTOR_LIMITS": "tpu=64,8,gpu=512"})
     assert config.kind_limits == {"tpu": (64, 8), "gpu": (512, 128)}
@@ -189,6 +191,25 @@ def test_api_keys_add_up_from_flags_files_and_the_variable(files, monkeypatch):
     monkeypatch.setenv("TANDEM_API_KEY", "env-key")
     config = load(["--model", MODEL, "--api-key", "a,b", "--api-key-file", files["keys"]])
     assert config.api_keys == ["a,b", "file-key", "env-key"]  # a comma stays in its key
+
+
+def test_admin_keys_add_up_and_stay_apart_from_api_keys(files, monkeypatch, capsys):
+    monkeypatch.setenv("TANDEM_ADMIN_API_KEY", "env-admin")
+    config = load(
+        ["--model", MODEL, "--admin-api-key", "a1", "--admin-api-key-file", files["keys"]]
+    )
+    assert config.admin_api_keys == ["a1", "file-key", "env-admin"]
+    assert config.api_keys == []
+    message = bad(capsys, ["--model", MODEL, "--api-key", "same", "--admin-api-key", "same"])
+    assert "admin key may not also be an API key" in message
+
+
+def test_http_server_bounds():
+    config = load(["--model", MODEL])
+    assert (config.http_max_connections, config.http_max_header_bytes) == (2048, 65536)
+    assert (config.http_header_timeout, config.http_body_timeout) == (20.0, 60.0)
+    config = load(["--model", MODEL, "--http-header-timeout", "0", "--http-max-connections", "9"])
+    assert (config.http_header_timeout, config.http_max_connections) == (0.0, 9)
 
 
 def test_precedence_flag_over_variable_over_file_over_default(tmp_path):

@@ -1,231 +1,37 @@
 """The Helm chart (charts/tandem): render it and check what Kubernetes and the controller get.
 
-Rendering uses `helm template` when a helm binary is on PATH, else tests/deploy/helm_render: Go
-text/template + sprig (Helm's template engine) with Helm's own functions, built here from
-Debian's Go packages (tests/deploy/helm_render/install_deps.sh installs them; `make chart-deps`
-too).
-Every rendered object is validated against the Kubernetes JSON schemas of the oldest and the
-newest supported Kubernetes (kubernetes-validate, offline, strict: unknown fields fail); objects
-of CRDs (Prometheus operator, KEDA) get their fields asserted here instead.
+Rendering (helm, or tests/deploy/helm_render) is in tests/deploy/chart_render.py. Every rendered
+object is validated against the Kubernetes JSON schemas of the oldest and the newest supported
+Kubernetes (kubernetes-validate, offline, strict: unknown fields fail); objects of CRDs
+(Prometheus operator, KEDA) get their fields asserted here instead. The chart's secure defaults
+are in tests/deploy/test_chart_security.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
 import shutil
-import subprocess
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "tandem"
-RENDERER_SRC = ROOT / "tests" / "deploy" / "helm_render"
-CACHE = Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem")) / "helm-render"
-GOPATH = "/usr/share/gocode"
-RELEASE, NAMESPACE = "tandem", "llm"
-OLDEST_KUBE = "1.27"  # Chart.yaml's kubeVersion floor: native gRPC probes are GA from 1.27
-
-# Objects of these CRDs have no schema in kubernetes-validate: their fields are asserted below.
-CRD_KINDS = {
-    ("monitoring.coreos.com/v1", "ServiceMonitor"),
-    ("monitoring.coreos.com/v1", "PodMonitor"),
-    ("keda.sh/v1alpha1", "ScaledObject"),
-}
-
-
-# --- rendering ---------------------------------------------------------------------------------
-
-
-class RenderError(Exception):
-    """The chart refused the values (a `required`, a `fail`, or values.schema.json)."""
-
-
-def _go_ready() -> bool:
-    return bool(shutil.which("go")) and all(
-        (Path(GOPATH) / "src/github.com" / p).is_dir() for p in ("Masterminds/sprig", "ghodss/yaml")
-    )
-
-
-def _build_renderer() -> Path:
-    """tests/deploy/helm_render built once per source version into the cache folder."""
-    digest = hashlib.sha256((RENDERER_SRC / "main.go").read_bytes()).hexdigest()[:16]
-    binary = CACHE / f"helm-render-{digest}"
-    if binary.exists():
-        return binary
-    if not _go_ready():
-        if not shutil.which("apt-get"):
-            pytest.skip(
-                "no helm binary, no Go toolchain with sprig, and no apt-get to install "
-                "them: the chart cannot be rendered on this machine"
-            )
-        subprocess.run(["bash", str(RENDERER_SRC / "install_deps.sh")], check=True)
-    CACHE.mkdir(parents=True, exist_ok=True)
-    env = dict(
-        os.environ,
-        GO111MODULE="off",
-        GOPATH=GOPATH,
-        CGO_ENABLED="0",
-        GOCACHE=str(CACHE / "gocache"),
-        GOFLAGS="",
-    )
-    tmp = binary.with_suffix(".tmp")
-    subprocess.run(
-        ["go", "build", "-o", str(tmp), "."], cwd=RENDERER_SRC, env=env, check=True, timeout=600
-    )
-    tmp.replace(binary)
-    return binary
-
-
-@pytest.fixture(scope="session")
-def renderer() -> Renderer:
-    helm = shutil.which("helm")
-    return Renderer(helm=helm, binary=None if helm else _build_renderer())
-
-
-def _merge(dst: dict, src: dict) -> dict:
-    """Helm's merge of user values over the chart's: maps merge, a null deletes the key."""
-    for key, value in src.items():
-        if value is None:
-            dst.pop(key, None)
-        elif isinstance(value, dict) and isinstance(dst.get(key), dict):
-            _merge(dst[key], value)
-        else:
-            dst[key] = value
-    return dst
-
-
-@dataclass
-class Renderer:
-    helm: str | None
-    binary: Path | None
-
-    def _run(
-        self, chart: Path, files: list[Path], release: str, namespace: str, notes: bool
-    ) -> str:
-        if self.helm:
-            cmd = [self.helm, "template", release, str(chart), "-n", namespace]
-        else:
-            # helm validates the merged values against values.schema.json; so do we.
-            import jsonschema
-
-            values = yaml.safe_load((chart / "values.yaml").read_text())
-            for f in files:
-                _merge(values, yaml.safe_load(f.read_text()) or {})
-            schema_file = chart / "values.schema.json"
-            schema = json.loads(schema_file.read_text()) if schema_file.exists() else {}
-            try:
-                jsonschema.validate(values, schema)
-            except jsonschema.ValidationError as exc:
-                where = ".".join(map(str, exc.absolute_path)) or "(root)"
-                raise RenderError(f"values don't meet the schema: {where}: {exc.message}") from exc
-            cmd = [str(self.binary), "-n", namespace] + (["--notes"] if notes else [])
-        for f in files:
-            cmd += ["-f", str(f)]
-        if not self.helm:
-            cmd += [release, str(chart)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            raise RenderError(proc.stderr.strip())
-        return proc.stdout
-
-    def render(
-        self,
-        values_file: str | None = None,
-        overrides: dict | None = None,
-        *,
-        tmp_path: Path | None = None,
-        release: str = RELEASE,
-        namespace: str = NAMESPACE,
-        chart: Path = CHART,
-        notes: bool = False,
-    ):
-        files = []
-        if values_file:
-            files.append(CHART / "ci" / values_file)
-        if overrides:
-            assert tmp_path is not None
-            extra = tmp_path / f"overrides-{len(list(tmp_path.iterdir()))}.yaml"
-            extra.write_text(yaml.safe_dump(overrides))
-            files.append(extra)
-        out = self._run(chart, files, release, namespace, notes)
-        if notes:
-            return out
-        return Manifest([d for d in yaml.safe_load_all(out) if d])
-
-
-class Manifest:
-    """The rendered objects, looked up by kind and name."""
-
-    def __init__(self, docs: list[dict]):
-        self.docs = docs
-
-    def kinds_names(self) -> set[tuple[str, str]]:
-        return {(d["kind"], d["metadata"]["name"]) for d in self.docs}
-
-    def get(self, kind: str, name: str) -> dict:
-        found = [d for d in self.docs if d["kind"] == kind and d["metadata"]["name"] == name]
-        assert len(found) == 1, f"{kind}/{name}: {len(found)} objects in {self.kinds_names()}"
-        return found[0]
-
-    def all(self, kind: str) -> list[dict]:
-        return [d for d in self.docs if d["kind"] == kind]
-
-
-def container(workload: dict, name: str) -> dict:
-    (c,) = [c for c in workload["spec"]["template"]["spec"]["containers"] if c["name"] == name]
-    return c
-
-
-def flag_values(args: list[str], flag: str) -> list[str]:
-    """Every value that follows `flag` in an argument list."""
-    return [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
-
-
-def pod_labels(workload: dict) -> dict:
-    return workload["spec"]["template"]["metadata"]["labels"]
-
-
-def selects(selector: dict, labels: dict) -> bool:
-    return all(labels.get(k) == v for k, v in selector.items())
-
-
-def volume(workload: dict, name: str) -> dict:
-    (v,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == name]
-    return v
-
-
-def mount(c: dict, name: str) -> dict:
-    (m,) = [m for m in c["volumeMounts"] if m["name"] == name]
-    return m
-
-
-def env_of(c: dict) -> dict:
-    return {e["name"]: e.get("value") for e in c.get("env", [])}
-
-
-# --- Kubernetes schema validation --------------------------------------------------------------
-
-
-def validate_k8s(doc: dict) -> None:
-    import kubernetes_validate
-
-    key = (doc["apiVersion"], doc["kind"])
-    if key in CRD_KINDS:
-        return
-    for version in (OLDEST_KUBE, str(kubernetes_validate.latest_version())):
-        try:
-            kubernetes_validate.validate(doc, version, strict=True)
-        except kubernetes_validate.ValidationError as exc:
-            raise AssertionError(
-                f"{doc['kind']}/{doc['metadata']['name']} invalid for Kubernetes {version}: "
-                f"{exc.message} at {'/'.join(map(str, exc.path))}"
-            ) from exc
+from tests.deploy.chart_render import (
+    CHART,
+    CRD_KINDS,
+    NAMESPACE,
+    RELEASE,
+    Manifest,
+    RenderError,
+    container,
+    env_of,
+    flag_values,
+    mount,
+    pod_labels,
+    selects,
+    validate_k8s,
+    volume,
+)
 
 
 def check_crd_object(doc: dict) -> None:
@@ -246,6 +52,13 @@ def check_crd_object(doc: dict) -> None:
 # --- the three values files --------------------------------------------------------------------
 
 CTRL, GPU, TPU = "tandem-controller", "tandem-gpu-executor", "tandem-tpu-executor"
+# What the chart generates when the values provide no Secret: secure by default.
+GENERATED_SECRETS = {
+    ("Secret", "tandem-executor-tls"),
+    ("Secret", "tandem-controller-tls"),
+    ("Secret", "tandem-executor-token"),
+    ("Secret", "tandem-admin-keys"),
+}
 GPU_DNS = "tandem-gpu-executor.llm.svc.cluster.local:50051"
 TPU_DNS = "tandem-tpu-executor.llm.svc.cluster.local:50051"
 
@@ -261,6 +74,7 @@ EXPECTED_OBJECTS = {
         ("ServiceMonitor", CTRL),
         ("ConfigMap", "tandem-dashboards"),
         ("PodMonitor", "tandem-executors"),
+        *GENERATED_SECRETS,
     },
     "tpu-values.yaml": {
         ("ServiceAccount", "tandem"),
@@ -272,6 +86,7 @@ EXPECTED_OBJECTS = {
         ("NetworkPolicy", TPU),
         ("ScaledObject", TPU),
         ("ConfigMap", "tandem-dashboards"),
+        *(GENERATED_SECRETS - {("Secret", "tandem-admin-keys")}),  # its own admin Secret
     },
     "mixed-values.yaml": {
         ("ServiceAccount", "tandem"),
@@ -289,14 +104,10 @@ EXPECTED_OBJECTS = {
         ("PodMonitor", CTRL),
         ("ConfigMap", "tandem-dashboards"),
         ("PodMonitor", "tandem-executors"),
+        *GENERATED_SECRETS,
     },
 }
 VALUES_FILES = sorted(EXPECTED_OBJECTS)
-
-
-@pytest.fixture(scope="module")
-def rendered(renderer) -> dict[str, Manifest]:
-    return {name: renderer.render(name) for name in VALUES_FILES}
 
 
 def test_ci_values_files_are_the_tested_ones():
@@ -350,7 +161,8 @@ def test_controller_discovers_each_pool_through_its_headless_service(
         assert selects(service["spec"]["selector"], pod_labels(sts))
         assert not selects(service["spec"]["selector"], pod_labels(m.get("Deployment", CTRL)))
         (svc_port,) = service["spec"]["ports"]
-        cport, metrics_port = container(sts, "executor")["ports"]
+        ports = {p["name"]: p for p in container(sts, "executor")["ports"]}
+        cport, metrics_port = ports["grpc"], ports["metrics"]
         assert int(port) == svc_port["port"] == cport["containerPort"]
         assert svc_port["targetPort"] == cport["name"] == "grpc"
         # Each executor serves its own metrics; the executors' PodMonitor scrapes that port.
@@ -513,7 +325,11 @@ def test_executor_probes_are_native_grpc(rendered, values_file):
     m = rendered[values_file]
     for sts in m.all("StatefulSet"):
         c = container(sts, "executor")
-        port = c["ports"][0]["containerPort"]
+        # TLS is on by default and kubelet probes speak none: they use the plaintext
+        # health-only port the executor serves besides its TLS port.
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        port = ports["grpc-health"]
+        assert flag_values(c["args"], "--health-port") == [str(port)] and port != ports["grpc"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"] == {"port": port}, (sts["metadata"]["name"], probe)
             assert set(c[probe]) - {"grpc"} <= {
@@ -546,7 +362,8 @@ def test_network_policy_admits_only_the_controller(rendered, values_file):
         assert selects(peer["podSelector"]["matchLabels"], controller_labels)
         for other in executors:
             assert not selects(peer["podSelector"]["matchLabels"], pod_labels(other))
-        port, metrics_port = (p["containerPort"] for p in container(sts, "executor")["ports"])
+        ports = {p["name"]: p["containerPort"] for p in container(sts, "executor")["ports"]}
+        port, metrics_port = ports["grpc"], ports["metrics"]
         assert rule["ports"] == [{"port": port, "protocol": "TCP"}]
         # Anyone allowed to scrape reaches the metrics port, and only that port.
         assert metrics_rule["ports"] == [{"port": metrics_port, "protocol": "TCP"}]
@@ -643,6 +460,7 @@ def test_chart_defaults_with_a_model_claim(renderer, tmp_path):
         ("PodDisruptionBudget", GPU),
         ("NetworkPolicy", GPU),
         ("ConfigMap", "tandem-dashboards"),
+        *GENERATED_SECRETS,
     }
     for doc in m.docs:
         validate_k8s(doc)
@@ -694,7 +512,8 @@ def test_optional_features_off_and_on(renderer, tmp_path):
         tmp_path=tmp_path,
     )
     kinds = {k for k, _ in m.kinds_names()}
-    assert kinds == {"Deployment", "Service", "StatefulSet", "PodDisruptionBudget"}
+    # The generated Secrets stay: security is not an optional feature.
+    assert kinds == {"Deployment", "Service", "StatefulSet", "PodDisruptionBudget", "Secret"}
     assert m.get("PodDisruptionBudget", CTRL)["spec"]["minAvailable"] == 1
     sts = m.get("StatefulSet", GPU)
     pod = sts["spec"]["template"]["spec"]
@@ -955,9 +774,19 @@ def test_security_secrets_and_flags(renderer, tmp_path):
     assert {"name": "grpc-health", "containerPort": 50052, "protocol": "TCP"} in e["ports"]
     for doc in m.docs:
         validate_k8s(doc)
-    plain = renderer.render("gpu-values.yaml", tmp_path=tmp_path)
+    off = {
+        "executorTLS": {"enabled": False},
+        "executorToken": {"enabled": False},
+        "adminKeys": {"enabled": False},
+    }
+    plain = renderer.render("gpu-values.yaml", {"security": off}, tmp_path=tmp_path)
     args = container(plain.get("Deployment", CTRL), "controller")["args"]
-    assert not [a for a in args if a.startswith(("--api-key", "--executor-tls", "--ssl"))]
+    assert not [
+        a for a in args if a.startswith(("--api-key", "--admin", "--executor-tls", "--ssl"))
+    ]
+    assert "--auth-token-file" not in args and not plain.all("Secret")
+    executor_args = container(plain.get("StatefulSet", GPU), "executor")["args"]
+    assert not {"--tls-cert", "--tls-client-ca", "--auth-token-file"} & set(executor_args)
 
 
 # --- the programs take the flags the chart passes ----------------------------------------------

@@ -1,5 +1,6 @@
 """API keys: every route but the exempt ones needs a valid Bearer key (401 in OpenAI's shape
-otherwise); keys come from flags, a key file and $TANDEM_API_KEY."""
+otherwise); keys come from flags, a key file and $TANDEM_API_KEY. The admin routes take the
+admin key instead, never an API key, and the admin key opens no API route."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from controller.settings import load_api_keys
 from tests.support.processes import start_server
 
 KEYS = {"flag": "sk-flag-0123", "file": "sk-file-4567", "env": "sk-env-89ab"}
+ADMIN_KEY = "sk-admin-cdef"
 EXEMPT = {"/health", "/metrics"}
 
 
@@ -45,7 +47,14 @@ def keyed(default_model_dir, tmp_path_factory):
         s = start_server(
             default_model_dir,
             str(tmp),
-            controller_args=["--api-key", KEYS["flag"], "--api-key-file", str(key_file)],
+            controller_args=[
+                "--api-key",
+                KEYS["flag"],
+                "--api-key-file",
+                str(key_file),
+                "--admin-api-key",
+                ADMIN_KEY,
+            ],
         )
     yield s
     s.stop()
@@ -90,6 +99,7 @@ def test_every_route_needs_a_key(keyed, default_model_dir):
                 {"Authorization": "Bearer wrong"},
                 {"Authorization": f"Basic {KEYS['flag']}"},
                 {"Authorization": f"Bearer {KEYS['flag']}x"},
+                {"Authorization": f"Bearer {ADMIN_KEY}x"},
             ):
                 r = http.request(method, path, headers=headers, **kw)
                 if path in EXEMPT:
@@ -105,10 +115,21 @@ def test_every_route_needs_a_key(keyed, default_model_dir):
                         "code": "invalid_api_key",
                     }
                 }
+            admin = path.startswith("/admin/")
             for key in KEYS.values():
                 r = http.request(method, path, headers={"Authorization": f"Bearer {key}"}, **kw)
+                if admin:  # an API key never opens an admin route
+                    assert r.status_code == 401, (method, path, r.text)
+                    continue
                 assert r.status_code != 401, (method, path, r.text)
                 assert r.status_code < 500, (method, path, r.text)
+            r = http.request(method, path, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, **kw)
+            if path in EXEMPT:
+                continue
+            if admin:
+                assert r.status_code == 200, (method, path, r.text)
+            else:  # the admin key serves no API route
+                assert r.status_code == 401, (method, path, r.text)
 
 
 def test_openai_client(keyed):
@@ -137,5 +158,6 @@ def test_openai_client(keyed):
 
 
 def test_exempt_paths_answer_without_key(keyed):
-    assert httpx.get(keyed.base_url + "/health", timeout=10).status_code == 200
+    health = httpx.get(keyed.base_url + "/health", timeout=10)
+    assert health.status_code == 200 and health.json() == {"status": "ok"}  # nothing more
     assert "vllm:num_requests_running" in httpx.get(keyed.base_url + "/metrics", timeout=10).text

@@ -234,7 +234,9 @@ def test_without_a_healthy_executor_requests_wait_then_get_503(default_model_dir
         assert response.status_code == 503
         assert "No healthy executor" in response.json()["error"]["message"]
         health = httpx.get(server.base_url + "/health")
-        assert health.status_code == 503 and health.json()["healthy_executors"] == 0
+        assert health.status_code == 503 and health.json() == {"status": "unavailable"}
+        details = httpx.get(server.base_url + "/admin/health")
+        assert details.status_code == 503 and details.json()["healthy_executors"] == 0
         (model,) = httpx.get(server.base_url + "/v1/models").json()["data"]
         assert model["executors"]["healthy"] == 0 and model["executors"]["total"] == 1
         for stream in (False, True):

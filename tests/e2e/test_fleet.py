@@ -177,7 +177,9 @@ def test_models_health_and_admin_show_the_fleet(fleet):
     (model,) = httpx.get(base + "/v1/models").json()["data"]
     assert model["executors"]["total"] == 2 and model["executors"]["healthy"] == 2
     health = httpx.get(base + "/health")
-    assert health.status_code == 200 and health.json()["healthy_executors"] == 2
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    details = httpx.get(base + "/admin/health")  # from loopback: no admin key needed
+    assert details.status_code == 200 and details.json()["healthy_executors"] == 2
     admin = httpx.get(base + "/admin/executors").json()
     assert admin["requests_waiting_for_executor"] == 0
     for e in admin["executors"]:

@@ -36,6 +36,7 @@ class LiveServer:
     executors: list[subprocess.Popen] = field(default_factory=list)  # executor processes
     executor_ports: list[int] = field(default_factory=list)  # their gRPC ports
     log_dir: str = ""  # where process logs go
+    admin_key: str = ""  # the controller's --admin-api-key; "" = none (loopback reaches admin)
 
     def client(self, **kw):
         import openai
@@ -59,10 +60,18 @@ class LiveServer:
             **kw,
         )
 
-    def executors_state(self) -> list[dict]:
+    def admin_headers(self) -> dict[str, str]:
+        """Headers of a request to /admin/* (the admin key, when the controller has one)."""
+        return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+
+    def admin(self, path: str = "/admin/executors") -> dict:
+        """An admin route's JSON answer (over loopback, with the admin key if any)."""
         import httpx
 
-        return httpx.get(self.base_url + "/admin/executors", timeout=10).json()["executors"]
+        return httpx.get(self.base_url + path, headers=self.admin_headers(), timeout=10).json()
+
+    def executors_state(self) -> list[dict]:
+        return self.admin("/admin/executors")["executors"]
 
     def wait_idle(self, timeout: float = 30.0) -> list[dict]:
         """Wait until no request runs or waits anywhere; return the executors' state."""

@@ -1,10 +1,53 @@
 {{- /*
-Security wiring: API keys and HTTPS for the controller, TLS/mTLS and a shared token between the
-controller and executors. Secrets are mounted read-only under /etc/tandem/.
+Security wiring: API keys, admin keys and HTTPS for the controller, TLS/mTLS and a shared token
+between the controller and executors. Secrets are mounted read-only under /etc/tandem/; those
+the values do not name are generated (templates/generated-secrets.yaml).
 */}}
 
 {{- define "tandem.sec.tlsOn" -}}
 {{- if .Values.security.executorTLS.enabled }}true{{ end -}}
+{{- end -}}
+
+{{- /* "true" when the chart makes the executor TLS Secrets (TLS on, no Secret named). */}}
+{{- define "tandem.sec.generateTLS" -}}
+{{- $t := .Values.security.executorTLS -}}
+{{- if and $t.enabled (not $t.secretName) (not $t.clientSecretName) }}true{{ end -}}
+{{- end -}}
+
+{{- /* The executors' TLS Secret. */}}
+{{- define "tandem.sec.executorTLSSecret" -}}
+{{- $t := .Values.security.executorTLS -}}
+{{- if include "tandem.sec.generateTLS" . -}}
+{{- printf "%s-executor-tls" (include "tandem.base" .) -}}
+{{- else -}}
+{{- required "security.executorTLS.secretName is required with a clientSecretName" $t.secretName -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* The controller's TLS Secret (client certificate and the executors' CA). */}}
+{{- define "tandem.sec.controllerTLSSecret" -}}
+{{- $t := .Values.security.executorTLS -}}
+{{- if include "tandem.sec.generateTLS" . -}}
+{{- printf "%s-controller-tls" (include "tandem.base" .) -}}
+{{- else -}}
+{{- default $t.secretName $t.clientSecretName -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* The executor token's Secret ("" when the token is off). */}}
+{{- define "tandem.sec.tokenSecret" -}}
+{{- $k := .Values.security.executorToken -}}
+{{- if $k.enabled -}}
+{{- default (printf "%s-executor-token" (include "tandem.base" .)) $k.existingSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* The admin keys' Secret ("" when admin keys are off). */}}
+{{- define "tandem.sec.adminSecret" -}}
+{{- $k := .Values.security.adminKeys -}}
+{{- if $k.enabled -}}
+{{- default (printf "%s-admin-keys" (include "tandem.base" .)) $k.existingSecret -}}
+{{- end -}}
 {{- end -}}
 
 {{- /* Controller flags (before extraArgs). */}}
@@ -17,6 +60,10 @@ controller and executors. Secrets are mounted read-only under /etc/tandem/.
 - --auth-exempt-path
 - {{ . | quote }}
 {{- end }}
+{{- end }}
+{{- if include "tandem.sec.adminSecret" . }}
+- --admin-api-key-file
+- {{ printf "/etc/tandem/admin-keys/%s" $s.adminKeys.key | quote }}
 {{- end }}
 {{- if $s.https.secretName }}
 - --ssl-certfile
@@ -38,7 +85,7 @@ controller and executors. Secrets are mounted read-only under /etc/tandem/.
 - {{ . | quote }}
 {{- end }}
 {{- end }}
-{{- if $s.executorToken.existingSecret }}
+{{- if include "tandem.sec.tokenSecret" . }}
 - --auth-token-file
 - {{ printf "/etc/tandem/executor-token/%s" $s.executorToken.key | quote }}
 {{- end }}
@@ -51,6 +98,11 @@ controller and executors. Secrets are mounted read-only under /etc/tandem/.
   mountPath: /etc/tandem/api-keys
   readOnly: true
 {{- end }}
+{{- if include "tandem.sec.adminSecret" . }}
+- name: admin-keys
+  mountPath: /etc/tandem/admin-keys
+  readOnly: true
+{{- end }}
 {{- if $s.https.secretName }}
 - name: https
   mountPath: /etc/tandem/https
@@ -61,7 +113,7 @@ controller and executors. Secrets are mounted read-only under /etc/tandem/.
   mountPath: /etc/tandem/executor-tls
   readOnly: true
 {{- end }}
-{{- if $s.executorToken.existingSecret }}
+{{- if include "tandem.sec.tokenSecret" . }}
 - name: executor-token
   mountPath: /etc/tandem/executor-token
   readOnly: true
@@ -75,6 +127,11 @@ controller and executors. Secrets are mounted read-only under /etc/tandem/.
   secret:
     secretName: {{ $s.apiKeys.existingSecret }}
 {{- end }}
+{{- with (include "tandem.sec.adminSecret" .) }}
+- name: admin-keys
+  secret:
+    secretName: {{ . }}
+{{- end }}
 {{- if $s.https.secretName }}
 - name: https
   secret:
@@ -83,12 +140,12 @@ controller and executors. Secrets are mounted read-only under /etc/tandem/.
 {{- if $s.executorTLS.enabled }}
 - name: executor-tls
   secret:
-    secretName: {{ default (required "security.executorTLS.secretName is required" $s.executorTLS.secretName) $s.executorTLS.clientSecretName }}
+    secretName: {{ include "tandem.sec.controllerTLSSecret" . }}
 {{- end }}
-{{- if $s.executorToken.existingSecret }}
+{{- with (include "tandem.sec.tokenSecret" .) }}
 - name: executor-token
   secret:
-    secretName: {{ $s.executorToken.existingSecret }}
+    secretName: {{ . }}
 {{- end }}
 {{- end -}}
 
@@ -107,7 +164,7 @@ controller and executors. Secrets are mounted read-only under /etc/tandem/.
 - --health-port
 - {{ $s.executorTLS.healthPort | int | quote }}
 {{- end }}
-{{- if $s.executorToken.existingSecret }}
+{{- if include "tandem.sec.tokenSecret" . }}
 - --auth-token-file
 - {{ printf "/etc/tandem/executor-token/%s" $s.executorToken.key | quote }}
 {{- end }}
@@ -120,7 +177,7 @@ controller and executors. Secrets are mounted read-only under /etc/tandem/.
   mountPath: /etc/tandem/tls
   readOnly: true
 {{- end }}
-{{- if $s.executorToken.existingSecret }}
+{{- if include "tandem.sec.tokenSecret" . }}
 - name: executor-token
   mountPath: /etc/tandem/executor-token
   readOnly: true
@@ -132,12 +189,12 @@ controller and executors. Secrets are mounted read-only under /etc/tandem/.
 {{- if $s.executorTLS.enabled }}
 - name: tls
   secret:
-    secretName: {{ required "security.executorTLS.secretName is required" $s.executorTLS.secretName }}
+    secretName: {{ include "tandem.sec.executorTLSSecret" . }}
 {{- end }}
-{{- if $s.executorToken.existingSecret }}
+{{- with (include "tandem.sec.tokenSecret" .) }}
 - name: executor-token
   secret:
-    secretName: {{ $s.executorToken.existingSecret }}
+    secretName: {{ . }}
 {{- end }}
 {{- end -}}
 

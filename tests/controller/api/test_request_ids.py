@@ -331,12 +331,19 @@ def test_routes_and_middleware_order():
         ("POST", "/v1/chat/completions"),
         ("GET", "/v1/models"),
         ("GET", "/health"),
+        ("GET", "/admin/health"),
         ("GET", "/admin/executors"),
         ("GET", "/metrics"),
         ("GET", "/version"),
         ("POST", "/tokenize"),
         ("POST", "/detokenize"),
     ]
-    # Outermost first: the request id, then the keys, then the body bound.
+    # Outermost first: the request id, then the admin and API keys, then the body's bounds.
     names = [m.cls.__name__ for m in app.user_middleware]
-    assert names == ["RequestIdMiddleware", "APIKeyAuth", "BodySizeLimit"]
+    assert names == [
+        "RequestIdMiddleware",
+        "AdminAuth",
+        "APIKeyAuth",
+        "BodyReadTimeout",
+        "BodySizeLimit",
+    ]

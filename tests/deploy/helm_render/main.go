@@ -1,12 +1,18 @@
 // helm-render renders a Helm chart the way `helm template` does, for the chart tests on machines
 // without a helm binary. It is Go text/template with the sprig function library (Helm's own
 // template engine) plus the functions and objects Helm adds on top and that Tandem's chart uses:
-// include, tpl, required, toYaml, fromYaml, toJson, fromJson, lookup (always empty, as in
-// `helm template`), .Values (values.yaml with each -f file merged over it; a null deletes a key),
-// .Release, .Chart (from Chart.yaml), .Capabilities, .Template and .Files (Get, Glob, AsConfig,
-// AsSecrets, Lines).
+// include, tpl, required, toYaml, fromYaml, toJson, fromJson, lookup, .Values (values.yaml with
+// each -f file merged over it; a null deletes a key), .Release, .Chart (from Chart.yaml),
+// .Capabilities, .Template and .Files (Get, Glob, AsConfig, AsSecrets, Lines). Sprig brings the
+// crypto functions charts use to make secrets (genCA, genSignedCert, randAlphaNum, b64enc).
 //
-// Usage: helm-render [--notes] [-n NAMESPACE] [-f VALUES.yaml]... RELEASE CHART_DIR
+// lookup answers from the objects of --lookup FILE (a YAML stream: the cluster as an upgrade
+// would find it), or with nothing, as `helm template` and a first install do. With --lookup,
+// .Release.IsUpgrade is true.
+//
+// Usage: helm-render [--notes] [-n NAMESPACE] [-f VALUES.yaml]... [--lookup OBJECTS.yaml]
+//
+//	RELEASE CHART_DIR
 //
 // Manifests go to stdout as a YAML stream, each preceded by "# Source: CHART/templates/FILE";
 // templates whose output is blank are left out, partials (_*.tpl and friends) are never emitted
@@ -230,6 +236,53 @@ func (a apiVersions) Has(v string) bool {
 type renderer struct {
 	tmpl         *template.Template
 	includeDepth int
+	cluster      []map[string]interface{} // what lookup finds (--lookup)
+}
+
+// lookup is Helm's: the object of that apiVersion, kind, namespace and name, or with an empty
+// name a list of every such object; an empty map when there is none.
+func (r *renderer) lookup(apiVersion, kind, namespace, name string) (map[string]interface{}, error) {
+	var items []interface{}
+	for _, obj := range r.cluster {
+		meta, _ := obj["metadata"].(map[string]interface{})
+		if obj["apiVersion"] != apiVersion || obj["kind"] != kind || meta == nil {
+			continue
+		}
+		if namespace != "" && meta["namespace"] != namespace {
+			continue
+		}
+		if name == "" {
+			items = append(items, obj)
+		} else if meta["name"] == name {
+			return obj, nil
+		}
+	}
+	if name == "" && items != nil {
+		return map[string]interface{}{"apiVersion": apiVersion, "kind": kind + "List", "items": items}, nil
+	}
+	return map[string]interface{}{}, nil
+}
+
+// readObjects reads a YAML stream of Kubernetes objects (documents separated by "---").
+func readObjects(file string) ([]map[string]interface{}, error) {
+	data, err := os.ReadFile(file)
+	if err != nil {
+		return nil, err
+	}
+	var objects []map[string]interface{}
+	for _, doc := range docSeparator.Split(string(data), -1) {
+		if strings.TrimSpace(doc) == "" {
+			continue
+		}
+		obj := map[string]interface{}{}
+		if err := yaml.Unmarshal([]byte(doc), &obj); err != nil {
+			return nil, fmt.Errorf("%s: %w", file, err)
+		}
+		if len(obj) > 0 {
+			objects = append(objects, obj)
+		}
+	}
+	return objects, nil
 }
 
 func (r *renderer) funcs() template.FuncMap {
@@ -277,9 +330,7 @@ func (r *renderer) funcs() template.FuncMap {
 		}
 		return strings.ReplaceAll(buf.String(), "<no value>", ""), nil
 	}
-	f["lookup"] = func(apiVersion, kind, namespace, name string) (map[string]interface{}, error) {
-		return map[string]interface{}{}, nil
-	}
+	f["lookup"] = r.lookup
 	return f
 }
 
@@ -289,6 +340,7 @@ type options struct {
 	chartDir  string
 	values    valueFiles
 	notes     bool
+	lookup    string
 }
 
 func run(o options) (string, error) {
@@ -347,6 +399,11 @@ func run(o options) (string, error) {
 	sort.Strings(templates)
 
 	r := &renderer{}
+	if o.lookup != "" {
+		if r.cluster, err = readObjects(o.lookup); err != nil {
+			return "", err
+		}
+	}
 	r.tmpl = template.New(chartName)
 	r.tmpl.Funcs(r.funcs())
 	for _, rel := range templates {
@@ -366,7 +423,7 @@ func run(o options) (string, error) {
 		"Chart":  chart,
 		"Release": map[string]interface{}{
 			"Name": o.release, "Namespace": o.namespace, "Service": "Helm",
-			"IsInstall": true, "IsUpgrade": false, "Revision": 1,
+			"IsInstall": o.lookup == "", "IsUpgrade": o.lookup != "", "Revision": 1,
 		},
 		"Capabilities": map[string]interface{}{
 			"KubeVersion": map[string]interface{}{
@@ -422,8 +479,9 @@ func main() {
 	fs.Var(&o.values, "f", "values file merged over the chart's values.yaml (repeatable)")
 	fs.StringVar(&o.namespace, "n", "default", "release namespace")
 	fs.BoolVar(&o.notes, "notes", false, "render NOTES.txt only")
+	fs.StringVar(&o.lookup, "lookup", "", "YAML stream of the objects lookup finds (an upgrade)")
 	fs.Usage = func() {
-		fmt.Fprintln(os.Stderr, "usage: helm-render [--notes] [-n NAMESPACE] [-f VALUES]... RELEASE CHART_DIR")
+		fmt.Fprintln(os.Stderr, "usage: helm-render [--notes] [-n NAMESPACE] [-f VALUES]... [--lookup OBJECTS] RELEASE CHART_DIR")
 		fs.PrintDefaults()
 	}
 	_ = fs.Parse(os.Args[1:])
