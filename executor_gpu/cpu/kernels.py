@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 import sys
@@ -44,7 +45,10 @@ def _build_dir() -> str:
     root = os.environ.get("TANDEM_EXTENSIONS_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "tandem", "torch_extensions"
     )
-    path = os.path.join(root, f"torch-{torch.__version__}")
+    # One folder per checkout: two checkouts (or versions) of these sources never rebuild over
+    # each other's objects, and each keeps its build across runs.
+    source_key = hashlib.sha1(_HERE.encode()).hexdigest()[:10]
+    path = os.path.join(root, f"torch-{torch.__version__}-{source_key}")
     os.makedirs(path, exist_ok=True)
     return path
 
