@@ -75,6 +75,9 @@ class InProcessExecutor:
     async def check_health(self, timeout: float) -> str:
         return "SERVING"
 
+    async def identify(self, timeout: float) -> str:
+        return self.worker.incarnation_id
+
     async def handshake(
         self,
         max_num_batched_tokens: int,

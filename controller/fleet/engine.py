@@ -30,6 +30,8 @@ from controller.core.outputs import GenerationRequest, OutputDelta
 from controller.core.snapshot import ExecutorSnapshot
 from controller.fleet.client import make_security
 from controller.fleet.discovery import Discovery
+from controller.fleet.fleet_model import FleetModel
+from controller.fleet.incarnations import Incarnations
 from controller.fleet.placement import (
     PlacementPolicy,
     PlacementQuery,
@@ -77,15 +79,10 @@ class Engine:
         self.policy = PlacementPolicy(config.prefix_affinity, config.affinity_max_wait)
         self.discovery = Discovery(config)  # where executors are
         self.sessions: dict[str, ExecutorSession] = {}  # by address
-        self.max_model_len = config.max_model_len  # the fleet's; set as executors connect
-        self.eos_token_ids: list[int] = list(tokenizer.eos_token_ids)  # from tokenizer + model
-        self.num_kv_tokens = 0  # smallest executor KV capacity in tokens
+        self.model = FleetModel(config.max_model_len, tokenizer.eos_token_ids)  # its limits
         self.waiting: dict[str, Tracked] = {}  # requests waiting for a healthy executor
-        # One session per executor process: incarnation id -> the address driving it, and back.
-        self._drivers: dict[str, str] = {}
-        self._claims: dict[str, str] = {}
+        self._incarnations = Incarnations(lambda address: address in self.sessions)
         self._expected_output = 64.0  # running mean of generated lengths, for placement
-        self._reference: DeviceInfo | None = None  # the first executor's model, for checks
         self._kick = asyncio.Event()  # wakes the maintenance loop
         self._tasks: list[asyncio.Task] = []  # discovery and maintenance loops
         self.metrics.registry.register(  # the fleet's gauges, read at scrape time
@@ -150,18 +147,10 @@ class Engine:
     def claim_incarnation(self, address: str, incarnation: str) -> str:
         """One session per executor process: the address already driving `incarnation`
         (another live session), or "" once the session at `address` holds the claim."""
-        holder = self._drivers.get(incarnation, "")
-        if holder and holder != address and holder in self.sessions:
-            return holder
-        self.release_incarnation(address)
-        self._drivers[incarnation] = address
-        self._claims[address] = incarnation
-        return ""
+        return self._incarnations.claim(address, incarnation)
 
     def release_incarnation(self, address: str) -> None:
-        incarnation = self._claims.pop(address, None)
-        if incarnation is not None and self._drivers.get(incarnation) == address:
-            del self._drivers[incarnation]
+        self._incarnations.release(address)
 
     def request_done(self, tracked: Tracked, reason: str | None, address: str, now: float) -> None:
         """A request finished on an executor: the expected output length, a log line."""
@@ -183,16 +172,7 @@ class Engine:
 
     def check_compatible(self, address: str, info: DeviceInfo) -> None:
         """Refuse an executor that serves a different model than the fleet."""
-        ref = self._reference
-        if ref is None:
-            self._reference = info
-            return
-        mine = (info.model.architecture, info.model.vocab_size, info.model.num_layers)
-        theirs = (ref.model.architecture, ref.model.vocab_size, ref.model.num_layers)
-        if mine != theirs:
-            raise RuntimeError(
-                f"executor {address} serves a different model {mine}; the fleet serves {theirs}"
-            )
+        self.model.check_compatible(address, info)
 
     def cost_prior(self, address: str) -> tuple[float, float] | None:
         """Starting step-cost guess for a new executor: the fleet's average (None: no executor
@@ -200,19 +180,24 @@ class Engine:
         return mean_step_cost(s.snapshot() for a, s in self.sessions.items() if a != address)
 
     def _refresh_limits(self) -> None:
-        known = [
-            s
-            for s in self.sessions.values()
-            if s.info is not None and s.state is not SessionState.REMOVED
-        ]
-        if not known:
-            return  # keep the last fleet's limits while none is connected
-        self.max_model_len = min(s.info.model.max_model_len for s in known)
-        self.num_kv_tokens = min((s.num_blocks - 1) * s.block_size for s in known)
-        for s in known:
-            for eos in s.info.model.eos_token_ids:
-                if eos not in self.eos_token_ids:
-                    self.eos_token_ids.append(eos)
+        self.model.refresh(
+            [s for s in self.sessions.values() if s.state is not SessionState.REMOVED]
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        """The fleet's context length: the least of its executors'."""
+        return self.model.max_model_len
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """The smallest executor's KV capacity in tokens."""
+        return self.model.num_kv_tokens
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every token that ends a sequence: the tokenizer's and every executor's."""
+        return self.model.eos_token_ids
 
     # --- fleet state -------------------------------------------------------------------
 
