@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 
+from common.hub.files import CONTROLLER
+from common.hub.resolve import localize_or_exit
 from common.logs import configure_logging
 from controller.api.admission import Admission, AdmissionLimits
 from controller.api.http_guard import HTTPStats
@@ -56,6 +58,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m controller") -> N
     """Load the settings, build the controller and serve until SIGTERM/SIGINT."""
     config = load_config(argv, prog)
     configure_logging(config.log_level, config.log_format, service="controller")
+    # A Hub id becomes its cached snapshot (config and tokenizer files only); a model that
+    # cannot be served ends the program here, in one line.
+    config = localize_or_exit(config, CONTROLLER, prog)
     server = build_server(config)
     tune_gc()
     server.run()
