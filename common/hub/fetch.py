@@ -56,6 +56,7 @@ def fetch(model: HubModel, need: Need, download: DownloadFn | None = None) -> st
     unless cached, under the cache's lock for this model, revision and need. Raises
     ModelSourceError for a model, revision or file the Hub or the cache does not have."""
     download = download or _snapshot_download
+    _log_through_root()
     purpose = "weights" if Need.WEIGHTS in need else "config"
     lock = lock_path(model.cache_dir, model.repo_id, model.revision, purpose)
     try:
@@ -82,6 +83,17 @@ def _fetch(download: DownloadFn, model: HubModel, allow: list[str], ignore: list
         ignore_patterns=ignore or None,
         tqdm_class=progress.progress_class(),
     )
+
+
+def _log_through_root() -> None:
+    """huggingface_hub gives its logger a stderr handler of its own when imported; its records
+    go through the program's handlers (text or JSON, common.logs) instead, once each."""
+    import huggingface_hub  # noqa: F401 - its import adds the handler
+
+    hub_logger = logging.getLogger("huggingface_hub")
+    for handler in list(hub_logger.handlers):
+        hub_logger.removeHandler(handler)
+    hub_logger.propagate = True
 
 
 def _snapshot_download(repo_id: str, **kwargs: Any) -> str:

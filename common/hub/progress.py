@@ -44,9 +44,18 @@ class LogProgress(tqdm):
         return self._size(self.total) if self.total else "?"
 
     def _size(self, n: float) -> str:
-        if self.unit == "B" and self.unit_scale:
-            return tqdm.format_sizeof(n, "B", 1024)
+        if self.unit == "B":
+            return format_bytes(n)
         return f"{int(n)}{'' if self.unit == 'it' else ' ' + self.unit}"
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> "1.5 KiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def on_terminal() -> bool:
