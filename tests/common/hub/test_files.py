@@ -117,3 +117,52 @@ def test_missing_tokenizer(checkpoint):
     check_checkpoint(str(checkpoint), EXECUTOR, "here")  # executors need none
     with pytest.raises(ModelSourceError, match="here has no tokenizer.json"):
         check_checkpoint(str(checkpoint), CONTROLLER, "here")
+
+
+def _hub_error(cls, status: int):
+    import httpx2
+
+    request = httpx2.Request("GET", "https://huggingface.co/api/models/org/model")
+    return cls("from the Hub", response=httpx2.Response(status, request=request))
+
+
+@pytest.mark.parametrize(
+    "error, message",
+    [
+        (
+            ("GatedRepoError", 403),
+            "org/model is a gated model: accept its license at https://huggingface.co/org/model "
+            "and give a token of that account (HF_TOKEN or --hf-token-file)",
+        ),
+        (
+            ("RepositoryNotFoundError", 404),
+            "model org/model was not found on the Hub, nor as a local directory (a private "
+            "model needs a token: HF_TOKEN or --hf-token-file)",
+        ),
+        (("RevisionNotFoundError", 404), "revision 'v9' does not exist in org/model"),
+        (
+            ("HfHubHTTPError", 401),
+            "the Hub refused the token for org/model: check HF_TOKEN or --hf-token-file",
+        ),
+    ],
+)
+def test_what_the_hub_answers_becomes_one_line(tmp_path, error, message):
+    """The Hub's refusals (made here: this machine reaches no Hub) as fetch reports them."""
+    from huggingface_hub import errors
+
+    raised = _hub_error(getattr(errors, error[0]), error[1])
+
+    def download(repo_id, **kw):
+        raise raised
+
+    with pytest.raises(ModelSourceError) as err:
+        fetch(HubModel("org/model", "v9", str(tmp_path), None), EXECUTOR, download=download)
+    assert str(err.value) == message
+
+
+def test_a_full_disk_names_the_cache(tmp_path):
+    def download(repo_id, **kw):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(ModelSourceError, match=f"into {tmp_path}: .*No space left"):
+        fetch(HubModel("org/model", "", str(tmp_path), None), EXECUTOR, download=download)
