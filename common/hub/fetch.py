@@ -68,7 +68,7 @@ def fetch(model: HubModel, need: Need, download: DownloadFn | None = None) -> st
     except ModelSourceError:
         raise
     except Exception as e:  # every huggingface_hub failure becomes one line
-        raise ModelSourceError(explain(e, model)) from None
+        raise ModelSourceError(" ".join(explain(e, model).split())) from None  # one line
     return folder
 
 
