@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from common.hub import fetch
 from common.hub.errors import ModelSourceError
@@ -100,6 +100,18 @@ def localize_or_exit(settings: S, need: Need, prog: str) -> S:
     try:
         return localize(settings, need)
     except ModelSourceError as e:
-        log.debug("model %s: %s", settings.model, e)
-        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_MODEL_ERROR) from None
+        _exit(settings, e, prog)
+
+
+def resolve_or_exit(settings: ModelSourceSettings, need: Need, prog: str) -> ResolvedModel:
+    """``resolve_model``, or one line on stderr and exit status EXIT_MODEL_ERROR."""
+    try:
+        return resolve_model(settings, need)
+    except ModelSourceError as e:
+        _exit(settings, e, prog)
+
+
+def _exit(settings: ModelSourceSettings, error: ModelSourceError, prog: str) -> NoReturn:
+    log.debug("model %s: %s", settings.model, error)
+    print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_MODEL_ERROR) from None

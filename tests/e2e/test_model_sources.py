@@ -109,7 +109,7 @@ def test_a_hub_id_serves_what_its_directory_serves(server, hub_cache, tmp_path, 
     hub = start_server(REPO, str(tmp_path), timeout=600)
     try:
         (model,) = hub.client().models.list().data
-        assert model.id == REPO
+        assert model.id == REPO and model.model_extra["root"] == REPO
         for prompt in PROMPTS[:3]:
             want = server.client().completions.create(
                 model=server.model_name, prompt=prompt, max_tokens=24, temperature=0
