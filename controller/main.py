@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 
+from common.hub.files import CONTROLLER
+from common.hub.resolve import resolve_or_exit
 from common.logs import configure_logging
 from controller.api.admission import Admission, AdmissionLimits
 from controller.api.http_guard import HTTPStats
@@ -35,10 +37,11 @@ def tune_gc() -> None:
     gc.set_threshold(50_000, 20, 20)
 
 
-def build_server(config: ControllerConfig) -> GracefulServer:
-    """The tokenizer, the engine over the fleet, admission, the OpenAI handlers and the app,
-    behind a server that bounds its connections and drains on SIGTERM."""
-    tokenizer = Tokenizer.from_model_dir(config.model)
+def build_server(config: ControllerConfig, model_dir: str = "") -> GracefulServer:
+    """The tokenizer (from ``model_dir``, the model's local directory; default: --model),
+    the engine over the fleet, admission, the OpenAI handlers and the app, behind a server
+    that bounds its connections and drains on SIGTERM."""
+    tokenizer = Tokenizer.from_model_dir(model_dir or config.model)
     engine = Engine(config, tokenizer)
     admission = Admission(
         AdmissionLimits(config.max_queued_requests, config.max_queued_tokens, config.retry_after)
@@ -56,6 +59,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m controller") -> N
     """Load the settings, build the controller and serve until SIGTERM/SIGINT."""
     config = load_config(argv, prog)
     configure_logging(config.log_level, config.log_format, service="controller")
-    server = build_server(config)
+    # A Hub id is fetched into its cached snapshot (config and tokenizer files only; --model
+    # stays the id, as /v1/models reports it); a model that cannot be served ends the
+    # program here, in one line.
+    model = resolve_or_exit(config, CONTROLLER, prog)
+    server = build_server(config, model.path)
     tune_gc()
     server.run()

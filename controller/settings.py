@@ -8,7 +8,9 @@ from typing import Literal
 
 from pydantic import field_validator, model_validator
 
-from common.settings import SettingError, TandemSettings, derived, setting
+from common.hub.reference import default_served_name
+from common.hub.settings import ModelSourceSettings
+from common.settings import SettingError, derived, setting
 from common.wire.rpc_token import read_token
 
 DEFAULT_EXECUTOR = "127.0.0.1:50051"  # the executor of a controller given no other
@@ -40,11 +42,13 @@ def _limit_specs(values: list[str]) -> list[str]:
     return specs
 
 
-class ControllerConfig(TandemSettings):
-    """How the controller serves and schedules."""
+class ControllerConfig(ModelSourceSettings):
+    """How the controller serves and schedules (the model and where it comes from:
+    ModelSourceSettings)."""
 
-    model: str = setting(help="local Hugging Face model directory", metavar="PATH")
-    served_model_name: str = setting("", "name clients use; '' = the directory's name")
+    served_model_name: str = setting(
+        "", "name clients use; '' = the model id or the directory's name"
+    )
     host: str = setting("0.0.0.0", "HTTP listen address")
     port: int = setting(8000, "HTTP port")
     max_num_batched_tokens: int = setting(2048, "token budget of one step")
@@ -336,7 +340,7 @@ class ControllerConfig(TandemSettings):
     def finalize(self) -> None:
         """The served name, the default executor, the API and admin keys and the executor token."""
         if not self.served_model_name:
-            self.served_model_name = os.path.basename(os.path.normpath(self.model))
+            self.served_model_name = default_served_name(self.model)
         if not (self.executors or self.executor_dns or self.executor_files):
             self.executors = [DEFAULT_EXECUTOR]
         try:

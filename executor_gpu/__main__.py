@@ -8,7 +8,7 @@ import os
 # overall. Set before torch loads OpenMP; an explicit setting is kept. (No effect on CUDA.)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from common.host.server import serve  # noqa: E402
+from common.host.server import prepare_model, serve  # noqa: E402
 from common.host.settings import ExecutorSettings  # noqa: E402
 
 DESCRIPTION = "Tandem GPU executor: runs the model steps a controller sends (CUDA, else CPU)."
@@ -17,6 +17,7 @@ DESCRIPTION = "Tandem GPU executor: runs the model steps a controller sends (CUD
 def main(argv: list[str] | None = None, prog: str = "python -m executor_gpu") -> None:
     """Load the settings, then serve a GPU worker until SIGTERM/SIGINT."""
     settings = ExecutorSettings.load(argv, prog=prog, description=DESCRIPTION)
+    settings = prepare_model(settings, prog)  # the model's files, before torch loads
     from executor_gpu.worker import GPUWorker  # torch: after the settings are known good
 
     serve(GPUWorker, settings)

@@ -8,12 +8,14 @@ import os
 from common.host.server import (
     configure_logging,
     mark_serving,
+    prepare_model,
     serve,
     shut_down,
     start_metrics_server,
     start_server,
     wait_for_signal,
 )
+from common.hub.files import Need
 from executor_sim.options import SimSettings
 from executor_sim.worker import SimWorker
 
@@ -51,6 +53,7 @@ def serve_many(settings: SimSettings) -> None:
 def main(argv: list[str] | None = None, prog: str = "python -m executor_sim") -> None:
     """Load the settings, then serve one simulated executor or ``--count`` of them."""
     settings = SimSettings.load(argv, prog=prog, description=DESCRIPTION)
+    settings = prepare_model(settings, prog, Need.CONFIG)  # it reads config.json alone
     if settings.serves_many:
         serve_many(settings)
     else:

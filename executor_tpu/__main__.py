@@ -1,6 +1,6 @@
 """`python -m executor_tpu`: serve the Executor gRPC service on a TPU (or XLA:CPU)."""
 
-from common.host.server import serve
+from common.host.server import prepare_model, serve
 from executor_tpu.options import TPUSettings, select_pjrt_device
 
 DESCRIPTION = (
@@ -12,6 +12,7 @@ DESCRIPTION = (
 def main(argv: list[str] | None = None, prog: str = "python -m executor_tpu") -> None:
     """Load the settings, choose the PJRT device, then serve a TPU worker until SIGTERM."""
     settings = TPUSettings.load(argv, prog=prog, description=DESCRIPTION)
+    settings = prepare_model(settings, prog)  # the model's files, before torch_xla loads
     select_pjrt_device(settings.device)  # before torch_xla starts its runtime
 
     from executor_tpu.worker import TPUWorker

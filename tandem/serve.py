@@ -76,11 +76,24 @@ def executor_ports(settings: ServeSettings) -> dict[str, int]:
     return {module: settings.executor_port + i for i, module in enumerate(modules)}
 
 
-def executor_children(settings: ServeSettings, model: str) -> list[Child]:
-    """The executors to start."""
+def model_source_args(config: ControllerConfig) -> list[str]:
+    """The flags that say where the model comes from, as every child gets them."""
+    args = ["--model", config.model]
+    for flag, value in (
+        ("--revision", config.revision),
+        ("--download-dir", config.download_dir),
+        ("--hf-token-file", config.hf_token_file),
+    ):
+        args += [flag, value] if value else []
+    return args
+
+
+def executor_children(settings: ServeSettings, config: ControllerConfig) -> list[Child]:
+    """The executors to start (each fetches the model's weights itself: a Hub id's files
+    land in one cache, downloaded once)."""
     children = []
     for module, port in executor_ports(settings).items():
-        command = [sys.executable, "-m", module, "--model", model]
+        command = [sys.executable, "-m", module, *model_source_args(config)]
         command += ["--host", EXECUTOR_HOST, "--port", str(port)]
         command += shlex.split(settings.executor_args)
         if module == "executor_tpu":
@@ -105,7 +118,7 @@ def plan(argv: list[str]) -> tuple[list[Child], ControllerConfig]:
     config = ControllerConfig.load(
         controller_args, prog="tandem serve (controller flags)", defaults=CONTROLLER_DEFAULTS
     )
-    executors = executor_children(settings, config.model)
+    executors = executor_children(settings, config)
     # The resolved model and host are passed on: the controller's own defaults differ.
     command = [sys.executable, "-m", "controller", *controller_args]
     command += ["--model", config.model, "--host", config.host]

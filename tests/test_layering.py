@@ -87,6 +87,8 @@ def _roots(modules: set[str]) -> set[str]:
         ("common.wire", {"torch", "controller"}),
         ("common.settings", {"torch", "controller"}),
         ("common.host", {"torch", "controller"}),
+        # Model sources: the controller resolves its model there too.
+        ("common.hub", {"torch", "controller"}),
         # The simulator serves hundreds of executors per machine without torch.
         ("executor_sim", {"torch", "controller"}),
     ],

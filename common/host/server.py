@@ -19,6 +19,8 @@ from common import logs
 from common.host.servicer import ExecutorServicer
 from common.host.settings import EXIT_DEVICE_FAILED, ExecutorConfig, ExecutorSettings
 from common.host.worker_base import WorkerBase
+from common.hub.files import EXECUTOR, Need
+from common.hub.resolve import localize_or_exit
 from common.wire.pb import executor_pb2 as pb
 from common.wire.pb import executor_pb2_grpc as pb_grpc
 from common.wire.rpc_token import TokenInterceptor, read_token
@@ -160,6 +162,19 @@ def shut_down(servers: list[ExecutorServer], drain: float) -> None:
 def configure_logging(settings: ExecutorSettings) -> None:
     """Log to stderr at ``--log-level`` in ``--log-format``."""
     logs.configure_logging(settings.log_level, settings.log_format, service="executor")
+
+
+def prepare_model(
+    settings: ExecutorSettings, prog: str, need: Need | None = None
+) -> ExecutorSettings:
+    """Configure logging, then make the model local (a Hub id: fetched into the Hub cache)
+    before anything heavy loads: a model that cannot be served ends the process at once, in
+    one line. ``need``: what the executor reads (default: config and weights, or the config
+    alone with --load-format dummy)."""
+    configure_logging(settings)
+    if need is None:
+        need = EXECUTOR if settings.load_format == "auto" else Need.CONFIG
+    return localize_or_exit(settings, need, prog)
 
 
 def serve(

@@ -8,19 +8,20 @@ from __future__ import annotations
 
 from typing import Literal
 
-from common.settings import SettingError, TandemSettings, derived, setting
+from common.hub.settings import ModelSourceSettings
+from common.settings import SettingError, derived, setting
 
 SECURITY = "security: TLS, mTLS and a shared token"
 FAILURES = "device failures"
 EXIT_DEVICE_FAILED = 70  # the process's exit status after a device failure (EX_SOFTWARE)
 
 
-class ExecutorConfig(TandemSettings):
-    """How an executor's worker runs the model (its flags; tests build one directly)."""
+class ExecutorConfig(ModelSourceSettings):
+    """How an executor's worker runs the model (its flags; tests build one directly). The
+    model and where it comes from: ModelSourceSettings."""
 
-    model: str = setting(help="local Hugging Face model directory", metavar="PATH")
     served_model_name: str = setting(
-        "", "name reported to the controller; '' = the directory's name"
+        "", "name reported to the controller; '' = the model id or the directory's name"
     )
     dtype: Literal["float32", "bfloat16", "float16"] = setting(
         "float32", "weights and activations dtype"

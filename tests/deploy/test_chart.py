@@ -449,8 +449,9 @@ def test_release_name_namespace_and_images(renderer, tmp_path):
 
 
 def test_chart_defaults_with_a_model_claim(renderer, tmp_path):
-    """values.yaml alone (plus the one value it cannot guess): a GPU pool, nothing optional."""
-    m = renderer.render(None, {"model": {"pvc": {"claimName": "models"}}}, tmp_path=tmp_path)
+    """values.yaml with a model directory on a claim: a GPU pool, nothing optional."""
+    claim = {"model": {"source": "pvc", "pvc": {"claimName": "models"}}}
+    m = renderer.render(None, claim, tmp_path=tmp_path)
     assert m.kinds_names() == {
         ("ServiceAccount", "tandem"),
         ("Deployment", CTRL),
@@ -542,7 +543,10 @@ def test_network_policy_extra_ingress(renderer, tmp_path):
 @pytest.mark.parametrize(
     "values_file,overrides,messages",
     [
-        (None, {}, ["model.pvc.claimName is required"]),
+        (None, {"model": {"source": "pvc"}}, ["model.pvc.claimName is required"]),
+        (None, {"model": {"hf": {"id": ""}}}, ["model.hf.id is required"]),
+        (None, {"model": {"hf": {"id": "not an id"}}}, ["model.hf.id", "/model/hf/id"]),
+        (None, {"model": {"hf": {"cache": {"mountPath": "cache"}}}}, ["mountPath"]),
         (None, {"model": {"source": "hostPath"}}, ["model.hostPath.path is required"]),
         (None, {"model": {"source": "initContainer"}}, ["model.initContainer.image is required"]),
         ("gpu-values.yaml", {"gpu": {"enabled": False}}, ["no executors"]),

@@ -99,6 +99,20 @@ def test_serve_model_host_and_variables(monkeypatch):
     assert config.executors == ["127.0.0.1:7000"]
 
 
+def test_serve_passes_the_model_source_to_every_child():
+    """A Hub id and where it comes from reach the executors as well as the controller: each
+    fetches what it reads into the same cache."""
+    source = ["--model", "Org/Model", "--revision", "v1.0", "--download-dir", "/hub"]
+    source += ["--hf-token-file", "/run/token"]
+    children, config = serve.plan(["--executor", "both", *source])
+    assert config.served_model_name == "Org/Model"
+    for child in children:
+        for flag, value in zip(source[::2], source[1::2]):
+            assert child.command[child.command.index(flag) + 1] == value, child.name
+    (gpu, *_), _ = serve.plan(["--model", "Org/Model"])
+    assert "--revision" not in gpu.command and "--download-dir" not in gpu.command
+
+
 def test_serve_refuses_bad_flags_before_starting_anything(capsys):
     with pytest.raises(SystemExit) as exc:
         serve.plan(["--executor", "npu"])

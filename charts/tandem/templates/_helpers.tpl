@@ -62,15 +62,6 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end -}}
 {{- end -}}
 
-{{/* The model directory inside every container. */}}
-{{- define "tandem.modelDir" -}}
-{{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) (required "model.name is required" .Values.model.name) -}}
-{{- end -}}
-
-{{- define "tandem.servedModelName" -}}
-{{- default .Values.model.name .Values.model.servedModelName -}}
-{{- end -}}
-
 {{/*
 The address the controller resolves to find a pool's executors: the headless Service's name,
 whose A records are the pool's ready pods. Takes (dict "root" $ "pool" "gpu").
@@ -78,90 +69,6 @@ whose A records are the pool's ready pods. Takes (dict "root" $ "pool" "gpu").
 {{- define "tandem.executorDNS" -}}
 {{- $p := index .root.Values .pool -}}
 {{- printf "%s.%s.svc.%s:%d" (include "tandem.executorName" .) .root.Release.Namespace .root.Values.clusterDomain ($p.port | int) -}}
-{{- end -}}
-
-{{/* The model volume (a list item). */}}
-{{- define "tandem.modelVolume" -}}
-{{- $m := .Values.model -}}
-- name: model
-{{- if eq $m.source "pvc" }}
-  persistentVolumeClaim:
-    claimName: {{ required "model.pvc.claimName is required when model.source is pvc" $m.pvc.claimName }}
-    readOnly: true
-{{- else if eq $m.source "hostPath" }}
-  hostPath:
-    path: {{ required "model.hostPath.path is required when model.source is hostPath" $m.hostPath.path }}
-    type: {{ $m.hostPath.type | default "Directory" }}
-{{- else if eq $m.source "initContainer" }}
-  emptyDir:
-    {{- with $m.initContainer.medium }}
-    medium: {{ . }}
-    {{- end }}
-    {{- with $m.initContainer.sizeLimit }}
-    sizeLimit: {{ . }}
-    {{- end }}
-{{- else }}
-{{- fail (printf "model.source must be pvc, hostPath or initContainer, not %q" $m.source) }}
-{{- end }}
-{{- end -}}
-
-{{/* The model mount of a server container (a list item): read-only whatever the source. */}}
-{{- define "tandem.modelMount" -}}
-{{- $m := .Values.model -}}
-- name: model
-  mountPath: {{ $m.mountPath }}
-  readOnly: true
-  {{- if and (eq $m.source "pvc") $m.pvc.subPath }}
-  subPath: {{ $m.pvc.subPath }}
-  {{- end }}
-{{- end -}}
-
-{{/*
-The init container that fills the model emptyDir, or nothing for the other sources.
-Takes (dict "root" $ "component" "controller" "securityContext" {...}).
-*/}}
-{{- define "tandem.modelInitContainers" -}}
-{{- $m := .root.Values.model -}}
-{{- if eq $m.source "initContainer" }}
-- name: fetch-model
-  image: {{ required "model.initContainer.image is required when model.source is initContainer" $m.initContainer.image }}
-  imagePullPolicy: {{ .root.Values.image.pullPolicy }}
-  {{- with $m.initContainer.command }}
-  command:
-    {{- range . }}
-    - {{ . | quote }}
-    {{- end }}
-  {{- end }}
-  {{- with $m.initContainer.args }}
-  args:
-    {{- range . }}
-    - {{ . | quote }}
-    {{- end }}
-  {{- end }}
-  env:
-    - name: MODEL_DIR
-      value: {{ include "tandem.modelDir" .root | quote }}
-    - name: MODEL_NAME
-      value: {{ $m.name | quote }}
-    - name: TANDEM_COMPONENT
-      value: {{ .component | quote }}
-    {{- with $m.initContainer.env }}
-    {{- toYaml . | nindent 4 }}
-    {{- end }}
-  {{- with $m.initContainer.resources }}
-  resources:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with .securityContext }}
-  securityContext:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  volumeMounts:
-    - name: model
-      mountPath: {{ $m.mountPath }}
-    - name: tmp
-      mountPath: /tmp
-{{- end }}
 {{- end -}}
 
 {{/* Environment every Tandem container gets: a writable home and cache under /tmp. */}}

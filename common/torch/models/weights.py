@@ -18,6 +18,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from common.hub.progress import progress_bar
+
 log = logging.getLogger(__name__)
 
 #: Checkpoint tensors that are derived buffers, not parameters.
@@ -41,11 +43,20 @@ def checkpoint_files(model_dir: str) -> list[str]:
 
 
 def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, CPU tensor) for every tensor of the checkpoint."""
-    for path in checkpoint_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    """Yield (name, CPU tensor) for every tensor of the checkpoint, showing the bytes read
+    (a bar on a terminal, else a log line every few seconds)."""
+    files = checkpoint_files(model_dir)
+    sizes = [os.path.getsize(p) for p in files]
+    with progress_bar(sum(sizes), "Loading weights") as bar:
+        for path, size in zip(files, sizes):
+            done = 0
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    bar.update(tensor.nbytes)
+                    done += tensor.nbytes
+                    yield name, tensor
+            bar.update(size - done)  # the file's header
 
 
 def load_weights(model: nn.Module, model_dir: str, dtype: torch.dtype) -> int:
