@@ -116,4 +116,5 @@ def load_model_geometry(
         head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
         max_model_len=model_len,
         eos_token_ids=list(dict.fromkeys(eos)),
+        layer_windows=windows if any(windows := layer_windows(cfg)) else [],
     )

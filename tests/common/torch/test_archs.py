@@ -86,3 +86,50 @@ def test_gpu_runner_greedy_matches_transformers(tiny):
     RESULTS[f"{kind} gpu runner"] = f"{checks.tokens} greedy tokens, {len(checks.mismatches)} off"
     print(f"{kind}: {checks.tokens} greedy tokens compared, mismatches: {checks.mismatches}")
     assert not checks.mismatches
+
+
+def test_controller_frees_blocks_out_of_the_window(tmp_path):
+    """The controller's own scheduler over the GPU runner, for a model whose every layer is
+    windowed: a 150-token prompt in 16-token steps holds a few blocks, not all ten, and gives
+    transformers' tokens; the same prompt again hits the released (still cached) blocks and
+    gives the same tokens."""
+    from controller.core.request import Request
+    from controller.core.scheduler import Scheduler, SchedulerConfig
+    from tests.support.tiny_models import hf_greedy
+
+    hf = save_tiny_checkpoint("mistral-window", str(tmp_path))
+    geometry = load_model_geometry(str(tmp_path))
+    assert geometry.layer_windows == [WINDOW] * 3 and geometry.uniform_window == WINDOW
+    cfg = ExecutorConfig(model=str(tmp_path), device="cpu", block_size=BLOCK)
+    runner = GPUModelRunner(cfg, geometry)
+    runner.load_model()
+    runner.initialize_kv_cache(32)
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=16,
+            max_num_seqs=4,
+            block_size=BLOCK,
+            num_blocks=32,
+            max_model_len=512,
+            sliding_window=geometry.uniform_window,
+        )
+    )
+    (prompt,) = random_prompts(3, [150])
+
+    def run(rid: str) -> tuple[list[int], int]:
+        sched.add_request(Request(rid, list(prompt), SamplingParams(), max_tokens=6))
+        out, peak = [], 0
+        while sched.has_unfinished_requests():
+            step = sched.schedule()
+            peak = max(peak, sched.kv.num_used_blocks)
+            for update in sched.update_from_output(step, runner.execute_model(step)):
+                assert not update.error
+                out += update.new_token_ids
+        return out, peak
+
+    first, peak = run("a")
+    assert first == hf_greedy(hf, prompt, 6)
+    assert peak <= -(-(WINDOW + 16) // BLOCK) + 1  # the window, one step's tokens, one spare
+    second, _ = run("b")
+    assert sched.kv.prefix_cache_hits >= 9 * BLOCK
+    assert second == first

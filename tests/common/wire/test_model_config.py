@@ -52,3 +52,16 @@ def test_new_architectures_are_served():
         assert architecture_of({"architectures": [arch]}) == arch
     with pytest.raises(ValueError, match="unsupported architecture"):
         architecture_of({"architectures": ["Gemma3ForConditionalGeneration"]})
+
+
+def test_layer_windows_cross_the_wire_and_set_the_uniform_window():
+    from common.wire import convert
+    from common.wire.config import Capabilities, DeviceInfo, KVCacheSpec, ModelGeometry
+
+    def info(windows):
+        geometry = ModelGeometry("m", "MistralForCausalLM", 10, 3, 2, 16, 64, [2], windows)
+        return DeviceInfo("i", "cpu", "cpu", geometry, KVCacheSpec(16, 1024, "f32"), Capabilities())
+
+    for windows, uniform in (([], 0), ([8, 8, 8], 8), ([8, 0, 8], 0), ([8, 4, 8], 0)):
+        back = convert.device_info_from_pb(convert.device_info_to_pb(info(windows))).model
+        assert back.layer_windows == windows and back.uniform_window == uniform
