@@ -13,9 +13,11 @@ loaded into per-expert holders, then stacked once into two [experts, in, out] te
 - eagerly (CPU, CUDA), tokens are grouped by expert (one sort of the (token, slot) pairs),
   each expert runs two matmuls over its tokens, and the outputs are scattered back, weighted:
   one loop over the experts, none over tokens;
-- on XLA (static shapes: the split by expert would change every step's program), every expert
-  runs over every token and a dense routing matrix (zero for unselected experts) combines
-  them: experts / top_k times the arithmetic, but one program for any routing.
+- on XLA (static shapes: the split by expert would change every step's program), and while a
+  CUDA graph is captured (the split reads the counts on the host, which a capture forbids;
+  captured graphs replay decode steps), every expert runs over every token and a dense
+  routing matrix (zero for unselected experts) combines them: experts / top_k times the
+  arithmetic, but one program for any routing.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         experts, weights = self.route(x)
-        if x.device.type == "xla":
+        if x.device.type == "xla" or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             return self._dense(x, experts, weights)
         return self._grouped(x, experts, weights)
 

@@ -133,3 +133,22 @@ def test_controller_frees_blocks_out_of_the_window(tmp_path):
     second, _ = run("b")
     assert sched.kv.prefix_cache_hits >= 9 * BLOCK
     assert second == first
+
+
+def test_moe_grouped_and_dense_forms_agree(tmp_path):
+    """The eager form (tokens grouped by expert) and the static-shape one (every expert, a
+    dense routing matrix; XLA and CUDA graph capture) compute the same block."""
+    from common.torch.models.qwen3_moe import SparseMoeBlock
+
+    save_tiny_checkpoint("qwen3-moe", str(tmp_path))
+    model = build_model(str(tmp_path), torch.float32, "cpu")
+    block = model.model.layers[0].mlp
+    assert isinstance(block, SparseMoeBlock) and block.w_gate_up.shape == (8, 64, 64)
+    assert not isinstance(model.model.layers[1].mlp, SparseMoeBlock)  # mlp_only_layers
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        experts, weights = block.route(x)
+        assert torch.allclose(weights.sum(-1), torch.ones(37))  # norm_topk_prob
+        grouped = block._grouped(x, experts, weights)
+        dense = block._dense(x, experts, weights)
+    torch.testing.assert_close(grouped, dense, rtol=1e-5, atol=1e-5)
