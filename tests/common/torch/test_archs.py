@@ -152,3 +152,52 @@ def test_moe_grouped_and_dense_forms_agree(tmp_path):
         grouped = block._grouped(x, experts, weights)
         dense = block._dense(x, experts, weights)
     torch.testing.assert_close(grouped, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_gemma_reads_older_config_keys():
+    """Checkpoints saved before transformers 5 (the Hub's Gemma 2 and Gemma 3 files): no
+    layer_types, the local RoPE base as rope_local_base_freq, RoPE scaling as rope_scaling."""
+    from common.torch.models.gemma import GemmaArgs
+
+    base = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+    )
+    gemma3 = GemmaArgs.from_config(
+        dict(
+            base,
+            model_type="gemma3_text",
+            num_hidden_layers=7,
+            sliding_window_pattern=6,
+            rope_theta=1e6,
+            rope_local_base_freq=1e4,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+        )
+    )
+    assert gemma3.windows == [512] * 5 + [0, 512] and gemma3.qk_norm
+    assert gemma3.local_layers == [True] * 5 + [False, True]
+    assert (gemma3.rope_theta, gemma3.rope_scaling["factor"]) == (1e6, 8.0)
+    assert (gemma3.local_rope_theta, gemma3.local_rope_scaling) == (1e4, None)
+    assert gemma3.query_scale == 256**-0.5 and gemma3.final_softcap == 0.0
+    gemma2 = GemmaArgs.from_config(
+        dict(
+            base,
+            model_type="gemma2",
+            num_hidden_layers=4,
+            rope_theta=1e4,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+        )
+    )
+    assert gemma2.windows == [512, 0, 512, 0] and not gemma2.qk_norm
+    assert gemma2.local_rope_theta == gemma2.rope_theta == 1e4
+    assert (gemma2.attn_softcap, gemma2.final_softcap) == (50.0, 30.0)
+    assert gemma2.tie_word_embeddings
