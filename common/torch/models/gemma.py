@@ -34,9 +34,9 @@ from common.torch.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
-    RotaryEmbedding,
     norm_heads,
 )
+from common.torch.models.rope import RotaryEmbedding
 from common.wire.model_config import layer_windows
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
