@@ -15,8 +15,7 @@ from typing import Any
 
 WINDOW = 24
 VOCAB = 256
-_BASE = dict(
-    vocab_size=VOCAB,
+_SHAPE = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -28,9 +27,11 @@ _BASE = dict(
 )
 
 
-def tiny_config(kind: str) -> Any:
+def tiny_config(kind: str, vocab_size: int = VOCAB) -> Any:
     """The transformers config of a tiny checkpoint of ``kind`` (see KINDS)."""
     import transformers
+
+    _BASE = {**_SHAPE, "vocab_size": vocab_size}
 
     if kind == "qwen3":
         return transformers.Qwen3Config(**_BASE)
@@ -78,13 +79,14 @@ KINDS = {
 }
 
 
-def save_tiny_checkpoint(kind: str, path: str, seed: int = 0) -> Any:
+def save_tiny_checkpoint(kind: str, path: str, seed: int = 0, vocab_size: int = VOCAB) -> Any:
     """Save a random tiny checkpoint of ``kind`` to ``path``; returns the transformers model
     (float32, eval mode) holding the same weights."""
     import torch
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_config(tiny_config(kind)).eval()
+    config = tiny_config(kind, vocab_size)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in hf.parameters():
