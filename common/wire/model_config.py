@@ -17,6 +17,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
 }

@@ -66,6 +66,10 @@ def tiny_config(kind: str, vocab_size: int = VOCAB) -> Any:
             norm_topk_prob=True,
             mlp_only_layers=[1],  # one dense layer between sparse ones
         )
+    if kind == "mixtral-window":
+        return transformers.MixtralConfig(
+            **_BASE, num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW
+        )
     raise ValueError(kind)
 
 
@@ -76,6 +80,7 @@ KINDS = {
     "gemma2": True,
     "gemma3": True,
     "qwen3-moe": False,
+    "mixtral-window": True,
 }
 
 

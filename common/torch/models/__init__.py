@@ -16,6 +16,7 @@ _FAMILIES: dict[str, str] = {
     "llama": "common.torch.models.llama:LlamaForCausalLM",
     "qwen3": "common.torch.models.qwen3:Qwen3ForCausalLM",
     "qwen3_moe": "common.torch.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "mixtral": "common.torch.models.mixtral:MixtralForCausalLM",
     "gemma": "common.torch.models.gemma:GemmaForCausalLM",
 }
 

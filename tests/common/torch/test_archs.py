@@ -138,7 +138,7 @@ def test_controller_frees_blocks_out_of_the_window(tmp_path):
 def test_moe_grouped_and_dense_forms_agree(tmp_path):
     """The eager form (tokens grouped by expert) and the static-shape one (every expert, a
     dense routing matrix; XLA and CUDA graph capture) compute the same block."""
-    from common.torch.models.qwen3_moe import SparseMoeBlock
+    from common.torch.models.moe import SparseMoeBlock
 
     save_tiny_checkpoint("qwen3-moe", str(tmp_path))
     model = build_model(str(tmp_path), torch.float32, "cpu")
