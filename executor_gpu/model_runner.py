@@ -58,7 +58,7 @@ def resolve_device(spec: str) -> torch.device:
 
 
 class GPUModelRunner(TorchModelRunner):
-    """Runs steps of a Llama-family model on a CUDA device or the CPU."""
+    """Runs steps of a served model (any family) on a CUDA device or the CPU."""
 
     def __init__(self, config: ExecutorConfig, geometry: ModelGeometry):
         super().__init__(config, geometry, resolve_device(config.device))

@@ -15,7 +15,11 @@ Backends (registered in common.torch.attention, selected by the model runner):
 - ``xla_ragged`` — the ragged paged attention Pallas kernel (TPU only).
 - ``xla_gather`` — a reference for any XLA device (XLA:CPU in development and CI): every query
   token gathers its request's whole block table (fixed width) and masks the positions after its
-  own, so every shape is static.
+  own (and, in a sliding-window layer, those before its window), so every shape is static.
+
+Both take the layer's ``window`` and ``softcap`` (see common.torch.attention); each layer's
+values are constants of the traced program, so a model mixing windowed and global layers
+still compiles one program per shape.
 
 Cache writes go through ``index_copy_`` at the tokens' slots; padding tokens all write slot 0 of
 the reserved null block. Written values are made finite (``nan_to_num``), so a failed request
@@ -31,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from common.torch.attention import register_attention_backend
+from common.torch.attention import register_attention_backend, visible_keys
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,8 @@ def gather_attention(
     kv_cache: torch.Tensor | None,
     meta: StaticAttentionMetadata,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal paged attention with static shapes: query [T, heads, d] -> [T, heads, d]."""
     if kv_cache is None:
@@ -128,18 +134,21 @@ def gather_attention(
     t, num_heads, head_dim = query.shape
     kv_heads = key.shape[1]
     group = num_heads // kv_heads
-    if "gather" not in meta.derived:
+    if ("gather", window) not in meta.derived:
         tables = meta.block_tables.index_select(0, meta.token_rows)  # [T, W]
         length = tables.shape[1] * meta.block_size
         span = torch.arange(length, device=query.device)
-        meta.derived["gather"] = (tables.reshape(-1), span[None, :] <= meta.positions[:, None])
-    flat_tables, visible = meta.derived["gather"]  # [T * W], [T, L]
+        visible = visible_keys(span[None, :], meta.positions[:, None], window)
+        meta.derived["gather", window] = (tables.reshape(-1), visible)
+    flat_tables, visible = meta.derived["gather", window]  # [T * W], [T, L]
     length = visible.shape[1]
     ctx = kv_cache.index_select(0, flat_tables).view(t, length, *kv_cache.shape[2:])
     keys = ctx[:, :, 0 : 2 * kv_heads : 2, :head_dim]  # [T, L, kvh, d]
     values = ctx[:, :, 1 : 2 * kv_heads : 2, :head_dim]
     q = query.view(t, kv_heads, group, head_dim).float()
     scores = torch.einsum("tkgd,tlkd->tkgl", q, keys.float()) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     weights = scores.softmax(dim=-1)
     out = torch.einsum("tkgl,tlkd->tkgd", weights, values.float())
@@ -153,8 +162,11 @@ def ragged_attention(
     kv_cache: torch.Tensor | None,
     meta: StaticAttentionMetadata,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """The same attention through torch_xla's ragged paged attention kernel (TPU only)."""
+    """The same attention through torch_xla's ragged paged attention kernel (TPU only), which
+    takes the window and the soft-cap itself."""
     from torch_xla.experimental.custom_kernel import ragged_paged_attention
 
     if kv_cache is None:
@@ -183,6 +195,8 @@ def ragged_attention(
         meta.query_start_loc,
         meta.num_seqs,
         sm_scale=scale,
+        sliding_window=window or None,
+        soft_cap=softcap or None,
         use_kernel=True,
     )
     return out[:, :num_heads, :head_dim]

@@ -88,7 +88,7 @@ def kernel_available() -> bool:
 
 
 class TPUModelRunner(TorchModelRunner):
-    """Runs steps of a Llama-family model on a TPU (or XLA:CPU) with precompiled shapes."""
+    """Runs steps of a served model (any family) on a TPU (or XLA:CPU) with precompiled shapes."""
 
     def __init__(
         self,

@@ -104,7 +104,12 @@ def new_request_problem(r: NewRequestData, limits: StepLimits) -> str:
         return f"token id outside [0, {vocab})"
     if len(r.block_ids) > limits.max_blocks_per_request:
         return f"{len(r.block_ids)} KV blocks exceed {limits.max_blocks_per_request} per request"
-    return block_ids_problem(r.block_ids, limits) or sampling_problem(r.sampling, limits)
+    # Leading blocks wholly before the computation's start may be the null block: a sliding-
+    # window model's controller gives back blocks out of the window (they are never written,
+    # and attention reads them only masked).
+    passed = r.num_computed_tokens // limits.block_size
+    owned = [b for b in r.block_ids[:passed] if b != 0] + r.block_ids[passed:]
+    return block_ids_problem(owned, limits) or sampling_problem(r.sampling, limits)
 
 
 def schedule_problem(

@@ -1,3 +1,3 @@
-"""The device-agnostic torch parts every torch executor shares: the Llama-family models,
+"""The device-agnostic torch parts every torch executor shares: the model families,
 paged attention (torch reference and the backend registry), the persistent input batch,
 batched sampling and the shared model runner."""

@@ -14,6 +14,11 @@ so that those with a single query token (decodes, or a one-token prefill tail) c
 are attended together in one gathered, padded, masked pass. Longer query chunks (prefills) are
 attended one request at a time with an explicit causal mask offset by the tokens already cached.
 
+Every backend takes two per-layer options beside the scale: ``window`` (sliding-window
+attention: a query at position p sees the keys at positions p - window + 1 .. p; 0 = the whole
+context, as transformers' ``sliding_window``) and ``softcap`` (attention logit soft-capping,
+``cap * tanh(score / cap)`` before the mask, Gemma 2; 0 = none).
+
 Backends are plain functions registered by name; a device package can register a fused kernel
 and select it with ``get_attention_backend``. Nothing here is device specific.
 """
@@ -75,19 +80,64 @@ def _gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Te
     )
 
 
+def visible_keys(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Which keys each query sees (broadcast of key positions against query positions): the
+    causal part, cut to the last ``window`` positions where a window is set."""
+    visible = key_pos <= query_pos
+    if window > 0:
+        visible &= key_pos > query_pos - window
+    return visible
+
+
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """Scaled dot-product attention (q [B, H, n, d], keys / values [B, KVH, L, d], additive
+    mask broadcastable to [B, H, n, L]); with ``softcap``, scores are capped before the mask
+    (SDPA has no such option, so that case is computed step by step)."""
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
+        )
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1) if group > 1 else keys
+    values = values.repeat_interleave(group, dim=1) if group > 1 else values
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        n, length = scores.shape[-2:]
+        causal = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+        scores = scores.masked_fill(~causal, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask.float()
+    return torch.matmul(scores.softmax(dim=-1), values.float()).to(q.dtype)
+
+
 def _decode_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of single-token requests, batched: query [N, heads, d] -> [N, heads, d]."""
     n, num_heads, head_dim = query.shape
     kv_heads = kv_cache.shape[3]
     group = num_heads // kv_heads
-    key = ("decode", kv_cache.dtype)
+    key = ("decode", kv_cache.dtype, window)
     if key not in meta.derived:
         bs = meta.block_size
         num_ctx_blocks = (meta.max_decode_seq_len + bs - 1) // bs
         length = num_ctx_blocks * bs
-        valid = torch.arange(length, device=query.device)[None, :] < meta.seq_lens[:n, None]
+        span = torch.arange(length, device=query.device)[None, :]
+        valid = visible_keys(span, meta.seq_lens[:n, None] - 1, window)
         mask = torch.zeros(n, 1, 1, length, dtype=kv_cache.dtype, device=query.device)
         mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
         meta.derived[key] = (mask, meta.block_tables[:n, :num_ctx_blocks])
@@ -96,11 +146,11 @@ def _decode_attention(
     keys = ctx[0].transpose(1, 2)  # [N, kvh, L, d]
     values = ctx[1].transpose(1, 2)
     # The group of query heads sharing a KV head plays the role of the query-length axis, so the
-    # keys are never repeated per head. Slots past a request's length are masked out; they must
-    # hold finite values (a zero weight times NaN is NaN): the model runner zeroes the slots of
-    # any request whose step produced non-finite values.
+    # keys are never repeated per head. Slots past a request's length (or before its window)
+    # are masked out; they must hold finite values (a zero weight times NaN is NaN): the model
+    # runner zeroes the slots of any request whose step produced non-finite values.
     q = query.view(n, kv_heads, group, head_dim).to(keys.dtype)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    out = attend(q, keys, values, mask, scale, softcap)
     return out.reshape(n, num_heads, head_dim)
 
 
@@ -112,33 +162,38 @@ def _prefill_attention(
     meta: AttentionMetadata,
     req: int,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of one request's query chunk ([n, heads, d]) to its whole context."""
     n, num_heads, head_dim = query.shape
     seq_len = meta.seq_lens_host[req]
     num_cached = seq_len - n
     q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
+    if (kv_cache is None or num_cached == 0) and (window <= 0 or window >= n):
+        # The context is exactly the new tokens and no window cuts it: no need to read the
+        # cache back, nor to build a mask.
+        keys = key.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        values = value.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        return attend(q, keys, values, None, scale, softcap, is_causal=True)[0].transpose(0, 1)
     if kv_cache is None or num_cached == 0:
-        # The context is exactly the new tokens: no need to read the cache back.
-        keys = key.transpose(0, 1).unsqueeze(0)
-        values = value.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(
-            q, keys.to(q.dtype), values.to(q.dtype), is_causal=True, scale=scale, enable_gqa=True
-        )
+        keys = key.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        values = value.transpose(0, 1).unsqueeze(0).to(q.dtype)
     else:
         bs = meta.block_size
         num_ctx_blocks = (seq_len + bs - 1) // bs
         ctx = _gather_context(kv_cache, meta.block_tables[req, :num_ctx_blocks])
         keys = ctx[0, :seq_len].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, kvh, L, d]
         values = ctx[1, :seq_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
-        key = ("prefill", req, q.dtype)
-        if key not in meta.derived:
-            # Query i sits at position num_cached + i and sees keys 0..num_cached + i.
-            mask = torch.full((n, seq_len), float("-inf"), dtype=q.dtype, device=q.device)
-            meta.derived[key] = mask.triu_(num_cached + 1)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=meta.derived[key], scale=scale, enable_gqa=True
-        )
+    mask_key = ("prefill", req, q.dtype, window)
+    if mask_key not in meta.derived:
+        # Query i sits at position num_cached + i and sees keys 0..num_cached + i (the last
+        # ``window`` of them with a window).
+        query_pos = torch.arange(num_cached, seq_len, device=q.device)[:, None]
+        visible = visible_keys(torch.arange(seq_len, device=q.device)[None, :], query_pos, window)
+        mask = torch.zeros((n, seq_len), dtype=q.dtype, device=q.device)
+        meta.derived[mask_key] = mask.masked_fill_(~visible, float("-inf"))
+    out = attend(q, keys, values, meta.derived[mask_key], scale, softcap)
     return out[0].transpose(0, 1)  # [n, heads, d]
 
 
@@ -147,8 +202,8 @@ DecodeAttention = Callable[..., torch.Tensor]
 
 def paged_attention_with(decode: DecodeAttention):
     """A paged-attention backend whose single-token requests go to `decode` (query [N, heads,
-    d], the KV cache, the metadata and the scale -> [N, heads, d]) and whose longer query
-    chunks use the torch implementation.
+    d], the KV cache, the metadata and the scale, with the ``window`` and ``softcap`` keywords
+    -> [N, heads, d]) and whose longer query chunks use the torch implementation.
 
     A `decode` with a true ``stores_kv`` attribute also takes the decodes' new ``key`` and
     ``value`` ([N, kv_heads, d]) and stores them itself; the backend then writes only the
@@ -163,6 +218,8 @@ def paged_attention_with(decode: DecodeAttention):
         kv_cache: torch.Tensor | None,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         num_decodes = meta.num_decodes if kv_cache is not None else 0
         if kv_cache is not None:
@@ -174,9 +231,9 @@ def paged_attention_with(decode: DecodeAttention):
                     value[first_written:],
                     meta.slot_mapping[first_written:],
                 )
-        extra = {}
+        extra: dict[str, Any] = {"window": window, "softcap": softcap}
         if stores_kv and num_decodes:
-            extra = {"key": key[:num_decodes], "value": value[:num_decodes]}
+            extra.update(key=key[:num_decodes], value=value[:num_decodes])
         if kv_cache is not None and num_decodes == meta.num_requests:
             return decode(query, kv_cache, meta, scale, **extra)
         out = torch.empty_like(query)
@@ -186,7 +243,15 @@ def paged_attention_with(decode: DecodeAttention):
         for req in range(num_decodes, meta.num_requests):
             start, end = qsl[req], qsl[req + 1]
             out[start:end] = _prefill_attention(
-                query[start:end], key[start:end], value[start:end], kv_cache, meta, req, scale
+                query[start:end],
+                key[start:end],
+                value[start:end],
+                kv_cache,
+                meta,
+                req,
+                scale,
+                window,
+                softcap,
             )
         return out
 
@@ -196,15 +261,14 @@ def paged_attention_with(decode: DecodeAttention):
 #: Reference paged attention over a ragged batch: query [T, heads, d], key/value [T, kv_heads,
 #: d] for the step's new tokens. The new keys and values are first written to ``kv_cache``
 #: through ``meta.slot_mapping``; each query then attends causally to its own request's cached
-#: context. With ``kv_cache=None`` (profiling before the cache exists) nothing is written and
-#: every request must start at position 0. Returns [T, heads, d].
+#: context (its last ``window`` positions with a window). With ``kv_cache=None`` (profiling
+#: before the cache exists) nothing is written and every request must start at position 0.
+#: Returns [T, heads, d].
 torch_paged_attention = paged_attention_with(_decode_attention)
 
 
-AttentionBackend = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", AttentionMetadata, float],
-    torch.Tensor,
-]
+#: (query, key, value, kv_cache, meta, scale, window=0, softcap=0.0) -> [T, heads, d].
+AttentionBackend = Callable[..., torch.Tensor]
 
 _BACKENDS: dict[str, AttentionBackend] = {"torch": torch_paged_attention}
 

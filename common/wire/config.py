@@ -18,6 +18,15 @@ class ModelGeometry:
     head_dim: int  # size of one head
     max_model_len: int  # longest sequence accepted
     eos_token_ids: list[int] = field(default_factory=list)  # tokens that end generation
+    # per layer: its sliding window in tokens (0 = the whole context); empty = none has one
+    layer_windows: list[int] = field(default_factory=list)
+
+    @property
+    def uniform_window(self) -> int:
+        """The window every layer shares, or 0 when some layer sees the whole context (only
+        then may a block fall out of every layer's sight)."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 and self.layer_windows else 0
 
 
 @dataclass

@@ -265,6 +265,7 @@ def device_info_to_pb(d: DeviceInfo) -> pb.InitDeviceResponse:
             head_dim=g.head_dim,
             max_model_len=g.max_model_len,
             eos_token_ids=g.eos_token_ids,
+            layer_windows=g.layer_windows,
         ),
         kv_cache=pb.KVCacheSpec(
             block_size=kv.block_size, bytes_per_block=kv.bytes_per_block, dtype=kv.dtype
@@ -295,6 +296,7 @@ def device_info_from_pb(m: pb.InitDeviceResponse) -> DeviceInfo:
             head_dim=g.head_dim,
             max_model_len=g.max_model_len,
             eos_token_ids=list(g.eos_token_ids),
+            layer_windows=list(g.layer_windows),
         ),
         kv_cache=KVCacheSpec(
             block_size=kv.block_size, bytes_per_block=kv.bytes_per_block, dtype=kv.dtype

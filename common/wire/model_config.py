@@ -15,7 +15,18 @@ ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
 }
+
+#: Families whose configs gate the window with ``use_sliding_window`` and, without
+#: ``layer_types``, window only the layers from ``max_window_layers`` on.
+_QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe")
+#: Without ``layer_types``: every n-th layer attends globally, the others are windowed.
+_GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6, "gemma3": 6}
 
 
 def supported_architectures() -> list[str]:
@@ -39,6 +50,35 @@ def architecture_of(cfg: dict[str, Any]) -> str:
         if arch in ARCHITECTURES:
             return arch
     raise ValueError(f"unsupported architecture {archs}; supported: {supported_architectures()}")
+
+
+def layer_windows(cfg: dict[str, Any]) -> list[int]:
+    """Per decoder layer, its sliding window in tokens (0: it attends to the whole context), as
+    transformers reads the config: ``layer_types`` where given ("sliding_attention" layers take
+    ``sliding_window``), else the family's pattern; ``sliding_window`` null means none."""
+    n = int(cfg["num_hidden_layers"])
+    window = int(cfg.get("sliding_window") or 0)
+    model_type = cfg.get("model_type", "")
+    if model_type in _QWEN_TYPES and not cfg.get("use_sliding_window", False):
+        window = 0
+    if window <= 0:
+        return [0] * n
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != n:
+            raise ValueError(f"layer_types lists {len(types)} layers; the model has {n}")
+        return [window if t == "sliding_attention" else 0 for t in types]
+    if model_type in _QWEN_TYPES:
+        first = int(cfg.get("max_window_layers", n))
+        return [window if i >= first else 0 for i in range(n)]
+    if model_type in _GLOBAL_EVERY:
+        every = int(
+            cfg.get("sliding_window_pattern")
+            or cfg.get("_sliding_window_pattern")
+            or _GLOBAL_EVERY[model_type]
+        )
+        return [0 if (i + 1) % every == 0 else window for i in range(n)]
+    return [window] * n
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -77,4 +117,5 @@ def load_model_geometry(
         head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
         max_model_len=model_len,
         eos_token_ids=list(dict.fromkeys(eos)),
+        layer_windows=windows if any(windows := layer_windows(cfg)) else [],
     )

@@ -6,6 +6,14 @@ tokens gets a chained hash of its contents (the hash of the block before it plus
 so a later request whose prompt starts with the same tokens reuses the block instead of
 recomputing it. Freed blocks keep their hash and stay findable until the pool needs them again
 (lazy eviction, least recently freed first).
+
+For a model whose every layer attends to a sliding window of W tokens (Mistral), a request's
+leading blocks that fell out of the window of every query still to come are given back as soon
+as its computation passes them (their table entries become the null block, which attention
+never reads unmasked): a long prompt holds about W / block_size blocks plus one chunk's. They
+keep their hash, so a later request with the same prefix can still hit them until they are
+evicted; a hit is cut at the first block that is gone, as always. Models that mix windowed and
+global layers keep every block (a block holds all layers' keys and values).
 """
 
 from __future__ import annotations
@@ -217,15 +225,21 @@ class KVCacheManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int = 0,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size  # tokens per block
+        self.sliding_window = sliding_window  # every layer sees the last N tokens; 0 = all
         self.enable_prefix_caching = enable_prefix_caching  # look up / cache full blocks
         self.pool = BlockPool(num_blocks)  # the blocks
         self._tables: dict[str, list[KVBlock]] = {}  # request id -> its blocks, in order
         self._num_cached: dict[str, int] = {}  # request id -> leading blocks already cached
+        self._num_released: dict[str, int] = {}  # request id -> leading blocks given back
         self.prefix_cache_queries = 0  # tokens of admitted requests looked up (cumulative)
         self.prefix_cache_hits = 0  # of those, tokens found in the cache (cumulative)
 
@@ -309,6 +323,8 @@ class KVCacheManager:
         """
         rid = request.request_id
         table = self._tables.get(rid)
+        if table is not None and self.sliding_window:
+            self._release_out_of_window(rid, table, request.num_computed_tokens)
         if table is not None and not computed_blocks:
             # Fast path (most decode steps): room already held and no block newly full.
             num_total = request.num_computed_tokens + num_new_tokens
@@ -347,9 +363,26 @@ class KVCacheManager:
             if num_full > start:
                 hashes = self._update_hashes(request, num_full)
                 for i in range(start, num_full):
-                    self.pool.cache_block(table[i], hashes[i])
+                    if table[i] is not self.pool.null_block:
+                        self.pool.cache_block(table[i], hashes[i])
                 self._num_cached[rid] = num_full
+        if first and self.sliding_window:  # a long prefix hit may reach past the window
+            first_position = request.num_computed_tokens + len(computed) * self.block_size
+            self._release_out_of_window(rid, table, first_position)
+            new_blocks = table
         return [block.block_id for block in new_blocks]
+
+    def _release_out_of_window(self, rid: str, table: list[KVBlock], position: int) -> None:
+        """Give back the leading blocks that no query at ``position`` or later can see (a
+        query at p sees p - window + 1 .. p); their table entries become the null block."""
+        keep_from = max(position - self.sliding_window + 1, 0) // self.block_size
+        done = self._num_released.get(rid, 0)
+        if keep_from <= done:
+            return
+        released = table[done:keep_from]
+        table[done:keep_from] = [self.pool.null_block] * (keep_from - done)
+        self._num_released[rid] = keep_from
+        self.pool.free_blocks(released)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """A request's whole block table (a copy); empty when it holds none."""
@@ -369,12 +402,13 @@ class KVCacheManager:
         """
         table = self._tables.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)
+        released = self._num_released.pop(request.request_id, 0)
         if not table:
             return
         for block in table[request.num_computed_tokens // self.block_size :]:
-            if block.ref_count == 1:
+            if block.ref_count == 1 and block is not self.pool.null_block:
                 self.pool.uncache(block)
-        self.pool.free_blocks(table)
+        self.pool.free_blocks(table[released:])  # the first ones went back already
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while any request holds blocks."""

@@ -67,7 +67,12 @@ class Scheduler(SchedulerBase):
 
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.sliding_window,
+        )
         self.requests: dict[str, Request] = {}  # live requests by id
         self.waiting = WaitingQueue(config.policy)  # not admitted, or preempted
         self.running: list[Request] = []  # admitted, in admission order

@@ -30,6 +30,7 @@ class SchedulerConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int = 0  # KV blocks of the executor, null block included; must be set (>= 2)
     max_model_len: int = 0  # default Request.max_model_len; 0 = no limit
+    sliding_window: int = 0  # every model layer attends to the last N tokens (0 = not all do)
 
     def validate(self) -> None:
         """Raise ValueError on an unusable configuration."""
@@ -37,8 +38,10 @@ class SchedulerConfig:
             raise ValueError(f"unknown scheduling policy {self.policy!r}; use one of {POLICIES}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
-        if self.long_prefill_token_threshold < 0 or self.max_model_len < 0:
-            raise ValueError("long_prefill_token_threshold and max_model_len must be >= 0")
+        if min(self.long_prefill_token_threshold, self.max_model_len, self.sliding_window) < 0:
+            raise ValueError(
+                "long_prefill_token_threshold, max_model_len and sliding_window must be >= 0"
+            )
         if self.block_size < 1 or self.num_blocks < 2:
             raise ValueError("block_size must be positive and num_blocks at least 2")
 

@@ -54,6 +54,7 @@ def scheduler_config_for(
         block_size=info.kv_cache.block_size,
         num_blocks=num_blocks,
         max_model_len=info.model.max_model_len,
+        sliding_window=info.model.uniform_window,
     )
 
 

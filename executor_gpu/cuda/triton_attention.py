@@ -8,7 +8,10 @@ softmax in float32. The group's queries are the rows of two small matrix product
 The program's loop bound is the request's length read on the device, so one launch serves any
 mix of lengths and the launch can be captured in a CUDA graph.
 
-Longer query chunks (prefills) use the torch implementation (``paged_attention_with``). The
+A sliding-window layer's programs start at the first position in the window (the tiles before
+it are never read); soft-capped scores (``cap * tanh(score / cap)``) are capped before the
+softmax. Longer query chunks (prefills) use the torch implementation
+(``paged_attention_with``). The
 kernel also runs under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is
 how the tests check it on machines without a GPU.
 """
@@ -50,6 +53,8 @@ def _paged_decode_kernel(
     tables_ptr,
     seq_lens_ptr,
     scale,
+    window,
+    softcap,
     q_stride_t,
     q_stride_h,
     out_stride_t,
@@ -79,6 +84,7 @@ def _paged_decode_kernel(
     PRECISION: tl.constexpr,
     STORE_KV: tl.constexpr,
     PARTS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -90,9 +96,11 @@ def _paged_decode_kernel(
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
     heads = kv_head * GROUP + g
-    # This program's share of the context: whole tiles, the same count for every partition.
-    tiles = (seq_len + TILE_TOKENS - 1) // TILE_TOKENS
-    start = ((tiles + PARTS - 1) // PARTS) * TILE_TOKENS * part
+    # The positions attended: the last `window` ones (window 0: all of them).
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    # This program's share of them: whole tiles, the same count for every partition.
+    tiles = (seq_len - first + TILE_TOKENS - 1) // TILE_TOKENS
+    start = first + ((tiles + PARTS - 1) // PARTS) * TILE_TOKENS * part
     end = tl.minimum(start + ((tiles + PARTS - 1) // PARTS) * TILE_TOKENS, seq_len)
     if STORE_KV:  # the new key and value go to their slot first, by the program that reads it
         if (seq_len - 1 >= start) & (seq_len - 1 < end):
@@ -124,6 +132,8 @@ def _paged_decode_kernel(
         k = tl.load(head_base + offs, mask=kv_mask, other=0.0)  # [TILE, D]
         v = tl.load(head_base + kv_stride_side + offs, mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP, TILE]
+        if SOFTCAP:  # cap * tanh(s / cap), tanh written with a sigmoid
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
         scores = tl.where(ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
@@ -210,6 +220,8 @@ def paged_decode_attention(
     slots: torch.Tensor | None = None,
     parts: int = 0,
     tile: int = 0,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of N single-token queries ([N, heads, d], any strides with a unit last one) to
     their cached contexts; returns [N, heads, d] in the query's dtype.
@@ -219,7 +231,9 @@ def paged_decode_attention(
     With ``key`` / ``value`` ([N, kv_heads, d]) and ``slots`` ([N]) given, each request's new
     key and value are stored at its slot first (one launch instead of a separate cache write).
     ``parts`` (a power of two; 0 = ``partitions_for``) splits each context across programs
-    whose partial softmax sums a second kernel combines; ``tile`` overrides TILE.
+    whose partial softmax sums a second kernel combines; ``tile`` overrides TILE. ``window``
+    (tokens; 0 = none) attends only to each request's last ``window`` positions; ``softcap``
+    (0 = none) caps the scores.
     """
     n, num_heads, head_dim = query.shape
     _, _, block_size, kv_heads, _ = kv_cache.shape
@@ -251,6 +265,8 @@ def paged_decode_attention(
         tables,
         seq_lens,
         scale,
+        window,
+        softcap,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -280,6 +296,7 @@ def paged_decode_attention(
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         STORE_KV=store,
         PARTS=parts,
+        SOFTCAP=softcap > 0,
         num_warps=4,
     )
     if parts > 1:
@@ -306,6 +323,8 @@ def _decode(
     scale: float,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     n = query.shape[0]
     return paged_decode_attention(
@@ -317,6 +336,8 @@ def _decode(
         key,
         value,
         meta.slot_mapping[:n],
+        window=window,
+        softcap=softcap,
     )
 
 

@@ -54,8 +54,11 @@ class MiniController:
         self.finished: list[str] = []
         self.step_id = 0
 
-    def add(self, rid, prompt, sampling=None, max_tokens=20, output=()):
+    def add(self, rid, prompt, sampling=None, max_tokens=20, output=(), blocks=(), computed=0):
+        """A request; ``blocks`` / ``computed`` start it on a cached prefix (a prefix hit: the
+        blocks hold its first ``computed`` tokens already)."""
         req = _Req(rid, list(prompt), sampling or SamplingParams(), max_tokens, list(output))
+        req.blocks, req.computed = list(blocks), computed
         self.running.append(req)
         return req
 

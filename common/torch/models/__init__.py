@@ -14,6 +14,10 @@ from common.wire.model_config import ARCHITECTURES, architecture_of, read_model_
 #: Model family (common.wire.model_config.ARCHITECTURES) -> "module:Class".
 _FAMILIES: dict[str, str] = {
     "llama": "common.torch.models.llama:LlamaForCausalLM",
+    "qwen3": "common.torch.models.qwen3:Qwen3ForCausalLM",
+    "qwen3_moe": "common.torch.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "mixtral": "common.torch.models.mixtral:MixtralForCausalLM",
+    "gemma": "common.torch.models.gemma:GemmaForCausalLM",
 }
 
 

@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2) in plain torch, over a paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2) in plain torch, over a paged KV cache; its
+building blocks serve the other families too (qwen3.py, gemma.py, qwen3_moe.py).
 
 The model takes a flat ragged batch of T tokens from several requests (``input_ids[T]``,
 ``positions[T]`` and the step's ``AttentionMetadata``) and returns the final-normed hidden state
@@ -6,13 +7,18 @@ of every token; ``compute_logits`` projects only the rows a step needs.
 
 Query/key/value projections and gate/up projections are each fused into one matmul
 (``qkv_proj``, ``gate_up_proj``); the weight loader fills their shards from the checkpoint's
-separate tensors. Mistral/Qwen2 sliding-window attention is not implemented: every layer attends
-to the full context, which matches those models for sequences within the window.
+separate tensors. Sliding-window layers (Mistral's ``sliding_window``; Qwen2 with
+``use_sliding_window``) pass their window to the attention backend, which masks the keys that
+fell out of it.
+
+A family that differs only in parts subclasses the pieces: the model class names its
+``args_class`` and ``layer_class``; an attention class may override ``qk_heads`` (e.g. per-head
+norms of the queries and keys before the rotation).
 """
 
 from __future__ import annotations
 
-import math
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +28,10 @@ from torch import nn
 
 from common.torch.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from common.torch.models.layer_ops import TORCH_LAYER_OPS, LayerOps
+from common.torch.models.rope import RotaryEmbedding
+from common.wire.model_config import layer_windows
+
+log = logging.getLogger(__name__)
 
 # A device's whole-stack forward: (embeddings, positions, metadata) -> the final-normed hidden
 # states, or None where it does not apply (then the layers run one by one).
@@ -47,10 +57,16 @@ class LlamaArgs:
     qkv_bias: bool  # q/k/v projections have a bias (Qwen2, Llama attention_bias)
     o_bias: bool  # output projection has a bias (Llama attention_bias)
     mlp_bias: bool  # MLP projections have a bias
+    windows: list[int]  # per layer: its sliding window in tokens, 0 = the whole context
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> LlamaArgs:
         """Parse a checkpoint config.json dict (older and newer RoPE key styles)."""
+        return cls(**cls.fields_from_config(cfg))
+
+    @staticmethod
+    def fields_from_config(cfg: dict[str, Any]) -> dict[str, Any]:
+        """The fields of ``LlamaArgs`` read from a config dict (subclasses add theirs)."""
         heads = cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_parameters") or {})
         legacy = cfg.get("rope_scaling")
@@ -61,7 +77,7 @@ class LlamaArgs:
         arch = (cfg.get("architectures") or [""])[0]
         attention_bias = bool(cfg.get("attention_bias", False))
         is_qwen2 = cfg.get("model_type") == "qwen2" or arch.startswith("Qwen2")
-        return cls(
+        return dict(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -77,60 +93,8 @@ class LlamaArgs:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            windows=layer_windows(cfg),
         )
-
-
-def rope_inverse_frequencies(
-    head_dim: int, theta: float, scaling: dict[str, Any] | None
-) -> tuple[torch.Tensor, float]:
-    """RoPE inverse frequencies (float32, [head_dim/2]) and the position divisor.
-
-    Supports plain RoPE, ``linear`` scaling (positions divided by the factor) and ``llama3``
-    scaling (long wavelengths slowed by the factor, a smooth blend in between).
-    """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    if scaling is None:
-        return inv_freq, 1.0
-    kind = scaling["rope_type"]
-    if kind == "linear":
-        return inv_freq, float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        blend = ((old_len / wavelen) - low) / (high - low)
-        blended = (1 - blend) * inv_freq / factor + blend * inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        middle = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        return torch.where(middle, blended, scaled), 1.0
-    raise NotImplementedError(f"RoPE scaling type {kind!r} is not supported")
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (half-split rotation) from a precomputed cos/sin table."""
-
-    def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
-    ):
-        super().__init__()
-        self.head_dim = head_dim
-        self.max_positions = max_positions
-        self.theta = theta
-        self.scaling = scaling
-        self.register_buffer("cos_sin", torch.empty(0), persistent=False)
-        self.rebuild()
-
-    def rebuild(self, device: torch.device | str | None = None) -> None:
-        """(Re)compute the float32 table [max_positions, head_dim] of cos | sin halves."""
-        if device is None:
-            device = self.cos_sin.device if self.cos_sin.device.type != "meta" else "cpu"
-        inv_freq, divisor = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling)
-        pos = torch.arange(self.max_positions, dtype=torch.float32, device="cpu") / divisor
-        freqs = pos[:, None] * inv_freq[None, :]
-        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
 
 class RMSNorm(nn.Module):
@@ -149,13 +113,15 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class Linear(nn.Module):
-    """``y = x @ weight + bias`` with ``weight`` stored [in, out] (the checkpoint's transpose).
+def norm_heads(norm: nn.Module, heads: torch.Tensor) -> torch.Tensor:
+    """A norm over the last axis of every head: [T, n, d] -> [T, n, d] (a new tensor)."""
+    t, n, d = heads.shape
+    return norm(heads.reshape(t * n, d)).view(t, n, d)
 
-    The [in, out] layout makes the matmul a plain (non-transposed) GEMM, which several BLAS
-    libraries run much faster for the small row counts of decode steps. The output columns may
-    stack several checkpoint tensors (``shard_sizes``, e.g. q|k|v); ``load_tensor`` fills them.
-    """
+
+class ShardedWeight(nn.Module):
+    """A weight stored [in, out] (the checkpoint's transpose) whose output columns may stack
+    several checkpoint tensors (``shard_sizes``, e.g. q|k|v); ``load_tensor`` fills them."""
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -163,7 +129,6 @@ class Linear(nn.Module):
         out = sum(shard_sizes)
         self.weight = nn.Parameter(torch.empty(in_features, out, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype)) if bias else None
-        self.ops: LayerOps = TORCH_LAYER_OPS
 
     def shard_slice(self, shard: int) -> slice:
         """Output columns holding shard ``shard``."""
@@ -186,15 +151,27 @@ class Linear(nn.Module):
             )
         dest.copy_(src)
 
+
+class Linear(ShardedWeight):
+    """``y = x @ weight + bias`` with ``weight`` stored [in, out] (the checkpoint's transpose).
+
+    The [in, out] layout makes the matmul a plain (non-transposed) GEMM, which several BLAS
+    libraries run much faster for the small row counts of decode steps.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype):
+        super().__init__(in_features, shard_sizes, bias, dtype)
+        self.ops: LayerOps = TORCH_LAYER_OPS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
         return self.ops.linear(x, self.weight, self.bias)
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query self-attention over the paged KV cache."""
+    """Grouped-query self-attention over the paged KV cache (layer ``index`` of the stack)."""
 
-    def __init__(self, args: LlamaArgs, dtype: torch.dtype):
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype, index: int):
         super().__init__()
         self.num_heads = args.num_heads
         self.num_kv_heads = args.num_kv_heads
@@ -204,6 +181,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias, dtype)
         self.o_proj = Linear(q_size, [args.hidden_size], args.o_bias, dtype)
         self.scale = args.head_dim**-0.5
+        self.window = args.windows[index]  # sliding window (0 = the whole context)
+        self.softcap = 0.0  # attention logit soft-capping (0 = none)
         self.kv_cache: torch.Tensor | None = None  # bound by LlamaForCausalLM.bind_kv_cache
         self.backend: AttentionBackend = get_attention_backend("torch")
         self.ops: LayerOps = TORCH_LAYER_OPS
@@ -213,11 +192,18 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # Queries and keys are adjacent heads: rotate them in one pass.
-        qk = self.ops.rotary(qkv, self.num_heads + self.num_kv_heads, rope)
+        qk = self.ops.rotary(self.qk_heads(qkv), self.num_heads + self.num_kv_heads, rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.num_heads + self.num_kv_heads :]
-        out = self.backend(q, k, v, self.kv_cache, meta, self.scale)
+        out = self.backend(
+            q, k, v, self.kv_cache, meta, self.scale, window=self.window, softcap=self.softcap
+        )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def qk_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The heads to rotate, queries then keys, from the projection [T, q + 2 kv heads, d]
+        (here the projection itself: the rotation takes its leading heads)."""
+        return qkv
 
 
 class LlamaMLP(nn.Module):
@@ -238,10 +224,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP with residual connections."""
 
-    def __init__(self, args: LlamaArgs, dtype: torch.dtype):
+    attention_class: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, args: LlamaArgs, dtype: torch.dtype, index: int):
         super().__init__()
-        self.self_attn = LlamaAttention(args, dtype)
-        self.mlp = LlamaMLP(args, dtype)
+        self.self_attn = self.attention_class(args, dtype, index)
+        self.mlp = self.make_mlp(args, dtype, index)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
@@ -259,17 +247,27 @@ class LlamaDecoderLayer(nn.Module):
         h = self.post_attention_layernorm(self.self_attn(rope, h, meta), residual)
         return self.mlp(h), residual
 
+    def make_mlp(self, args: LlamaArgs, dtype: torch.dtype, index: int) -> nn.Module:
+        """The feed-forward block of layer ``index`` (a mixture of experts may differ)."""
+        return LlamaMLP(args, dtype)
+
 
 class LlamaModel(nn.Module):
     """Embeddings, decoder stack and final norm."""
 
-    def __init__(self, args: LlamaArgs, max_positions: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        args: LlamaArgs,
+        max_positions: int,
+        dtype: torch.dtype,
+        layer_class: type[LlamaDecoderLayer],
+    ):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
         self.rotary = RotaryEmbedding(
             args.head_dim, max_positions, args.rope_theta, args.rope_scaling
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, dtype) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(layer_class(args, dtype, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
 
@@ -277,8 +275,12 @@ class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM over a paged KV cache (also Mistral and Qwen2 checkpoints).
 
     Parameter names follow the checkpoint's (``model.layers.N.self_attn...``) except for the
-    fused ``qkv_proj`` / ``gate_up_proj``; see ``stacked_params``.
+    fused ``qkv_proj`` / ``gate_up_proj``; see ``stacked_params``. Subclasses for other
+    families set ``args_class`` and ``layer_class``.
     """
+
+    args_class: type[LlamaArgs] = LlamaArgs
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     #: (fused parameter, checkpoint name part, shard index) for the weight loader.
     stacked_params = [
@@ -293,10 +295,10 @@ class LlamaForCausalLM(nn.Module):
         self, config: dict[str, Any], dtype: torch.dtype = torch.float32, max_model_len: int = 0
     ):
         super().__init__()
-        self.args = LlamaArgs.from_config(config)
+        self.args = self.args_class.from_config(config)
         self.dtype = dtype
         max_positions = max(self.args.max_position_embeddings, max_model_len)
-        self.model = LlamaModel(self.args, max_positions, dtype)
+        self.model = LlamaModel(self.args, max_positions, dtype, self.layer_class)
         self.layer_ops: LayerOps = TORCH_LAYER_OPS
         # The output embedding in the form layer_ops.logits takes (None: lm_head.weight as is).
         self.logits_weight: torch.Tensor | None = None
@@ -340,9 +342,23 @@ class LlamaForCausalLM(nn.Module):
         if self.logits_weight is not None and not self.args.tie_word_embeddings:
             self.lm_head.weight.data = prepared  # the original is needed no more
 
+    def stack_forward_applies(self) -> bool:
+        """Whether a device's whole-stack forward (which computes plain Llama layers over
+        whole-context attention) may replace this model's layers: not with sliding windows,
+        nor in families whose layers differ (they override this)."""
+        return type(self).layer_class is LlamaDecoderLayer and not any(self.args.windows)
+
     def set_stack_forward(self, fn: StackForward | None) -> None:
         """Run the decoder layers and final norm through ``fn`` where it applies; it must compute
-        what the layers compute (see ``forward``)."""
+        what the layers compute (see ``forward``). Ignored (logged) for a model whose layers
+        ``fn`` would not compute (``stack_forward_applies``)."""
+        if fn is not None and not self.stack_forward_applies():
+            log.info(
+                "%s: the one-call decoder stack does not apply (sliding windows or other layer "
+                "math); the layers run one by one",
+                type(self).__name__,
+            )
+            fn = None
         self.stack_forward = fn
 
     def set_attention_backend(self, name: str) -> None:

@@ -72,6 +72,17 @@ def test_a_bad_new_request_is_rejected_alone(bad, why):
     assert "bad" not in table.requests
 
 
+def test_released_leading_blocks_may_be_the_null_block():
+    """A sliding-window model's controller gives back blocks out of the window: entries wholly
+    before the computation's start may be block 0; an entry the step writes may not."""
+    table = RequestTable(LIMITS)
+    prompt = list(range(1, 11))
+    ok = NewRequestData("ok", prompt, [], SamplingParams(), [0, 0, 5], 8, 2)
+    bad = NewRequestData("bad", prompt, [], SamplingParams(), [0, 0, 0], 8, 2)
+    ran, errors = apply(table, ok, bad)
+    assert ran == ["ok"] and "block id is outside" in errors["bad"]
+
+
 def test_step_wide_checks_reject_only_the_requests_at_fault():
     table = RequestTable(LIMITS)
     apply(table, new("held", blocks=(1,)))

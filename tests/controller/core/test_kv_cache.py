@@ -229,3 +229,76 @@ def test_prompt_logprobs_requests_compute_every_position() -> None:
     b = Request("b", prefix + [3], SamplingParams(prompt_logprobs=0), max_tokens=8)
     blocks, hit = kv.get_computed_blocks(b)
     assert (blocks, hit) == ([], 0)
+
+
+# --- sliding windows: blocks out of every layer's window go back --------------------------
+
+
+def test_window_releases_blocks_behind_a_chunked_prefill() -> None:
+    """A 160-token prompt in 32-token chunks with a 24-token window holds at most the blocks
+    the window and the chunk need; released entries read as the null block."""
+    kv = KVCacheManager(num_blocks=20, block_size=BS, sliding_window=24)
+    req = make_request("long", list(range(160)))
+    peak = 0
+    for _ in range(5):
+        ids = kv.allocate_slots(req, 32)
+        assert ids is not None
+        req.num_computed_tokens += 32
+        peak = max(peak, kv.num_used_blocks)
+        # The next query (at num_computed_tokens) sees positions from there - 23 on.
+    table = kv.get_block_ids("long")
+    assert len(table) == 10
+    first_needed = (128 - 24 + 1) // BS  # the last chunk started at 128
+    assert table[:first_needed] == [0] * first_needed
+    assert 0 not in table[first_needed:]
+    assert peak <= -(-(24 + 32) // BS) + 1
+    kv.free(req)
+    assert kv.num_used_blocks == 0 and kv.pool.null_block.ref_count == 1
+
+
+def test_window_decodes_release_one_block_at_a_time() -> None:
+    kv = KVCacheManager(num_blocks=12, block_size=BS, sliding_window=BS)
+    req = make_request("d", list(range(BS * 2)))
+    admit(kv, req)
+    held = kv.num_used_blocks
+    for _ in range(BS * 3):
+        req.output_token_ids.append(1)
+        assert kv.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+        assert kv.num_used_blocks <= held
+    assert kv.get_block_ids("d")[:3] == [0, 0, 0]
+
+
+def test_window_prefix_hit_is_cut_at_a_released_and_evicted_block() -> None:
+    """Released blocks stay findable by their hash until evicted; once one is reused for
+    other tokens, a hit on the same prefix stops before it."""
+    kv = KVCacheManager(num_blocks=7, block_size=BS, sliding_window=BS)
+    prompt = list(range(BS * 4 + 1))
+    a = make_request("a", prompt)
+    for _ in range(4):  # a 65-token prompt in 16-token chunks: blocks 0.. released behind it
+        assert kv.allocate_slots(a, BS) is not None
+        a.num_computed_tokens += BS
+    assert kv.get_block_ids("a")[:2] == [0, 0]  # released at the last allocation (at 48)
+    b = make_request("b", prompt)
+    blocks, hit = kv.get_computed_blocks(b)
+    assert hit == BS * 4  # every block still cached (released, not evicted)
+    kv.free(a)
+    other = make_request("o", [7] * (BS * 5))
+    admit(kv, other)  # takes the free blocks, evicting the prompt's first ones
+    c = make_request("c", prompt)
+    blocks, hit = kv.get_computed_blocks(c)
+    assert hit == 0  # its first block is gone: no hit past it
+
+
+def test_prefix_hit_past_the_window_releases_the_hit_blocks_at_once() -> None:
+    kv = KVCacheManager(num_blocks=12, block_size=BS, sliding_window=BS)
+    prompt = list(range(BS * 5 + 3))
+    a = make_request("a", prompt)
+    admit(kv, a)
+    kv.free(a)
+    b = make_request("b", prompt)
+    ids = admit(kv, b)  # 80 tokens hit, the last 3 computed; only the last block is needed
+    assert ids[:4] == [0, 0, 0, 0] and 0 not in ids[4:]
+    assert kv.num_used_blocks == 2
+    kv.free(b)
+    assert kv.num_used_blocks == 0 and kv.pool.null_block.ref_count == 1

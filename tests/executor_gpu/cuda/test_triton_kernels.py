@@ -55,6 +55,31 @@ def test_decode_attention_matches_reference(heads, kv_heads, dim, block_size, le
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window,softcap", [(5, 0.0), (24, 0.0), (0, 2.0), (7, 3.0)])
+def test_decode_attention_with_window_and_softcap(window, softcap):
+    """Sliding-window layers read only each request's last ``window`` positions (contexts
+    shorter and longer than the window, across partitions); soft-capped scores match the
+    torch reference."""
+    torch.manual_seed(window + int(softcap))
+    lens = [1, 6, 33, 70]
+    kv = torch.randn(2, 64, 8, 2, 32)
+    meta = decode_meta(lens, 8, 64, seed=5, extra_columns=2)
+    q = torch.randn(len(lens), 4, 32) * 3  # large scores: the cap bends them
+    expected = _decode_attention(q, kv, meta, 0.3, window=window, softcap=softcap)
+    for parts in (1, 4):
+        got = attn.paged_decode_attention(
+            q,
+            kv,
+            meta.block_tables,
+            meta.seq_lens,
+            0.3,
+            parts=parts,
+            window=window,
+            softcap=softcap,
+        )
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_attention_stores_the_new_tokens_first():
     """With key/value/slots, each request's new key and value land in its slot and are part
     of its context, as if written before the call."""
