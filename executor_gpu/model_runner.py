@@ -76,7 +76,7 @@ class GPUModelRunner(TorchModelRunner):
                 self.attention_backend = triton_attention.BACKEND_NAME
                 self.fused_ops = triton_layer_ops.CUDA_LAYER_OPS
         # On the CPU in float32: the C++ kernels for attention and the layer ops.
-        if self.device.type == "cpu" and config.dtype == "float32" and cpu_kernels.enabled():
+        if self.device.type == "cpu" and self._cpu_kernels_apply():
             from executor_gpu.cpu import attention as cpu_attention
             from executor_gpu.cpu import decoder_stack as cpu_decoder_stack
             from executor_gpu.cpu import layer_ops as cpu_layer_ops
@@ -85,6 +85,22 @@ class GPUModelRunner(TorchModelRunner):
                 self.attention_backend = cpu_attention.BACKEND_NAME
                 self.fused_ops = cpu_layer_ops.layer_ops()
                 self.stack_forward_of = cpu_decoder_stack.stack_forward_of
+
+    def _cpu_kernels_apply(self) -> bool:
+        """Whether the CPU's C++ kernels serve this precision (float32 weights and cache);
+        any other precision runs the torch implementations, said once in the log."""
+        if not cpu_kernels.enabled():
+            return False
+        p = self.precision
+        if p.dtype == "float32" and p.kv_cache_dtype == "float32":
+            return True
+        log.warning(
+            "dtype %s with a %s KV cache on the CPU: the torch implementations serve (the C++ "
+            "kernels take float32 weights and cache)",
+            p.dtype,
+            p.kv_cache_dtype,
+        )
+        return False
 
     def load_model(self) -> None:
         """Load the model, then switch it to the device's fused layer ops where they exist."""

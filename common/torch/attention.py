@@ -82,26 +82,29 @@ def _decode_attention(
     n, num_heads, head_dim = query.shape
     kv_heads = kv_cache.shape[3]
     group = num_heads // kv_heads
-    key = ("decode", kv_cache.dtype)
+    # Attention runs in the cache's dtype, except that an fp8 cache (no arithmetic of its own)
+    # is widened to the query's on read.
+    compute = query.dtype if kv_cache.element_size() == 1 else kv_cache.dtype
+    key = ("decode", compute)
     if key not in meta.derived:
         bs = meta.block_size
         num_ctx_blocks = (meta.max_decode_seq_len + bs - 1) // bs
         length = num_ctx_blocks * bs
         valid = torch.arange(length, device=query.device)[None, :] < meta.seq_lens[:n, None]
-        mask = torch.zeros(n, 1, 1, length, dtype=kv_cache.dtype, device=query.device)
+        mask = torch.zeros(n, 1, 1, length, dtype=compute, device=query.device)
         mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
         meta.derived[key] = (mask, meta.block_tables[:n, :num_ctx_blocks])
     mask, tables = meta.derived[key]  # additive mask [N, 1, 1, L], block ids [N, L / bs]
     ctx = _gather_context(kv_cache, tables)  # [2, N, L, kvh, d]
-    keys = ctx[0].transpose(1, 2)  # [N, kvh, L, d]
-    values = ctx[1].transpose(1, 2)
+    keys = ctx[0].transpose(1, 2).to(compute)  # [N, kvh, L, d]
+    values = ctx[1].transpose(1, 2).to(compute)
     # The group of query heads sharing a KV head plays the role of the query-length axis, so the
     # keys are never repeated per head. Slots past a request's length are masked out; they must
     # hold finite values (a zero weight times NaN is NaN): the model runner zeroes the slots of
     # any request whose step produced non-finite values.
-    q = query.view(n, kv_heads, group, head_dim).to(keys.dtype)
+    q = query.view(n, kv_heads, group, head_dim).to(compute)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    return out.reshape(n, num_heads, head_dim)
+    return out.reshape(n, num_heads, head_dim).to(query.dtype)
 
 
 def _prefill_attention(
