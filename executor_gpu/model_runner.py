@@ -7,7 +7,8 @@ pass (``common.torch.sampling``), one device-to-host copy of the results.
 
 On CUDA it uses executor_gpu's Triton kernels: decode attention over the paged cache
 ("triton_paged") and the fused per-layer ops (``triton_layer_ops``), and replays pure decode
-steps from CUDA graphs (``cuda/graphs.py``; not with enforce_eager). On the CPU in float32 it uses
+steps from CUDA graphs (``cuda/graphs.py``; not with enforce_eager). On the CPU (float32 or
+bfloat16, the KV cache in the same dtype) it uses
 the C++ kernels where they build: paged attention of decodes and prefill chunks ("cpu_paged")
 and the fused per-layer ops (``cpu/layer_ops.py``). TANDEM_CUDA_KERNELS=0 / TANDEM_CPU_KERNELS=0
 keep the torch implementations.
@@ -75,7 +76,7 @@ class GPUModelRunner(TorchModelRunner):
                 triton_attention.register()
                 self.attention_backend = triton_attention.BACKEND_NAME
                 self.fused_ops = triton_layer_ops.CUDA_LAYER_OPS
-        # On the CPU in float32: the C++ kernels for attention and the layer ops.
+        # On the CPU in float32 or bf16: the C++ kernels for attention and the layer ops.
         if self.device.type == "cpu" and self._cpu_kernels_apply():
             from executor_gpu.cpu import attention as cpu_attention
             from executor_gpu.cpu import decoder_stack as cpu_decoder_stack
@@ -87,16 +88,17 @@ class GPUModelRunner(TorchModelRunner):
                 self.stack_forward_of = cpu_decoder_stack.stack_forward_of
 
     def _cpu_kernels_apply(self) -> bool:
-        """Whether the CPU's C++ kernels serve this precision (float32 weights and cache);
-        any other precision runs the torch implementations, said once in the log."""
+        """Whether the CPU's C++ kernels serve this precision (float32 or bf16, the cache in
+        the model's dtype); any other precision runs the torch implementations, said once in
+        the log."""
         if not cpu_kernels.enabled():
             return False
         p = self.precision
-        if p.dtype == "float32" and p.kv_cache_dtype == "float32":
+        if p.dtype in ("float32", "bfloat16") and p.kv_cache_dtype == p.dtype:
             return True
         log.warning(
             "dtype %s with a %s KV cache on the CPU: the torch implementations serve (the C++ "
-            "kernels take float32 weights and cache)",
+            "kernels take float32 or bfloat16 weights with a cache of the same dtype)",
             p.dtype,
             p.kv_cache_dtype,
         )
