@@ -10,8 +10,9 @@
 // panel's columns in vector registers and streams the panel once per row tile (from cache
 // after the first). The same code serves prefill-sized batches, where it is compute-bound.
 // In bfloat16 the panels hold bf16 weights (half the bytes to stream: a decode step is that
-// much shorter), widened to float32 in registers; the sums are float32 and each output is
-// rounded to bf16 once, as the reference's GEMM does.
+// much shorter), widened to float32 in registers; the rows of x are widened to float32 once per
+// call (a pass over x, against one over the weights per row tile); the sums are float32 and
+// each output is rounded to bf16 once, as the reference's GEMM does.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -42,7 +43,7 @@ template <class T, int kRows, int kFetch>
 #ifdef __AVX512F__
 __attribute__((target("prefer-vector-width=512")))
 #endif
-void panel_tile(const T* x, int64_t ldx, const T* panel, const T* bias, T* c, int64_t ldc,
+void panel_tile(const float* x, int64_t ldx, const T* panel, const T* bias, T* c, int64_t ldc,
                 int64_t depth, const char* prefetch) {
   Vec acc[kRows][kVecs];
 #pragma GCC unroll 8
@@ -60,7 +61,7 @@ void panel_tile(const T* x, int64_t ldx, const T* panel, const T* bias, T* c, in
     for (int l = 0; l < kFetch; ++l) __builtin_prefetch(prefetch + (k * kFetch + l) * kLine);
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) {
-      const float s = to_float(x[r * ldx + k]);
+      const float s = x[r * ldx + k];
 #pragma GCC unroll 8
       for (int64_t v = 0; v < kVecs; ++v) acc[r][v] += s * wk[v];
     }
@@ -72,7 +73,7 @@ void panel_tile(const T* x, int64_t ldx, const T* panel, const T* bias, T* c, in
 }
 
 template <class T>
-using TileFn = void (*)(const T*, int64_t, const T*, const T*, T*, int64_t, int64_t,
+using TileFn = void (*)(const float*, int64_t, const T*, const T*, T*, int64_t, int64_t,
                         const char*);
 template <class T, int kFetch, int... kRows>
 constexpr std::array<TileFn<T>, sizeof...(kRows)> make_tiles(
@@ -89,7 +90,7 @@ constexpr std::array<std::array<TileFn<T>, kRowTile>, 4> kTiles = {
     make_tiles<T, 4>(std::make_integer_sequence<int, kRowTile>{})};
 
 template <class T>
-void run_panels(const T* xp, int64_t ldx, const T* wp, const T* bp, T* op, int64_t rows,
+void run_panels(const float* xp, int64_t ldx, const T* wp, const T* bp, T* op, int64_t rows,
                 int64_t depth, int64_t panels) {
   constexpr int64_t lines_per_row = kLinesPerRow<T>;
   const int64_t width = panels * kPanel;
@@ -154,9 +155,11 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed,
                 "packed_linear: bias [out] of x's dtype");
   auto out = torch::empty({rows, width}, x.options());
   if (rows == 0) return out;
+  // bf16 rows widened once (float32 rows are read in place).
+  const torch::Tensor xf = x.scalar_type() == torch::kFloat ? x : x.to(torch::kFloat);
   dispatch_float_or_bf16(x.scalar_type(), "packed_linear", [&](auto tag) {
     using T = decltype(tag);
-    run_panels<T>(data_of<T>(x), x.stride(0), data_of<T>(packed),
+    run_panels<T>(xf.data_ptr<float>(), xf.stride(0), data_of<T>(packed),
                   bias.has_value() ? data_of<T>(*bias) : nullptr, data_of<T>(out), rows, depth,
                   panels);
   });
