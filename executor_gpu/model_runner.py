@@ -67,7 +67,7 @@ class GPUModelRunner(TorchModelRunner):
         self.fused_ops = None  # the device's fused layer ops, where it has them
         self.stack_forward_of = None  # builds the model's one-call decoder stack, where it has one
         self.graphs: DecodeGraphs | None = None  # decode replay, set up by capture_model
-        if self.device.type == "cuda" and os.environ.get("TANDEM_CUDA_KERNELS", "1") != "0":
+        if self.device.type == "cuda" and self._cuda_kernels_apply():
             try:
                 from executor_gpu.cuda import triton_attention, triton_layer_ops
             except ImportError as exc:  # no Triton: torch's operators, eager
@@ -86,6 +86,22 @@ class GPUModelRunner(TorchModelRunner):
                 self.attention_backend = cpu_attention.BACKEND_NAME
                 self.fused_ops = cpu_layer_ops.layer_ops()
                 self.stack_forward_of = cpu_decoder_stack.stack_forward_of
+
+    def _cuda_kernels_apply(self) -> bool:
+        """Whether the Triton kernels serve: they read a cache of the model's dtype; another
+        cache dtype (fp8) runs torch's attention, which widens it on read, eagerly."""
+        if os.environ.get("TANDEM_CUDA_KERNELS", "1") == "0":
+            return False
+        p = self.precision
+        if p.kv_cache_dtype == p.dtype:
+            return True
+        log.warning(
+            "a %s KV cache under %s weights: torch's attention (widening the cache on read) and "
+            "no decode graphs; the Triton kernels read a cache of the model's dtype",
+            p.kv_cache_dtype,
+            p.dtype,
+        )
+        return False
 
     def _cpu_kernels_apply(self) -> bool:
         """Whether the CPU's C++ kernels serve this precision (float32 or bf16, the cache in

@@ -60,16 +60,22 @@ def write_kv(
 ) -> None:
     """Store the new tokens' keys/values ([T, kv_heads, head_dim]) at their cache slots."""
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    flat = _as_bytes(kv_cache).view(2, num_blocks * block_size, kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, _as_bytes(key.to(kv_cache.dtype)))
+    flat[1].index_copy_(0, slot_mapping, _as_bytes(value.to(kv_cache.dtype)))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as its bytes (copies and gathers are not implemented for fp8 on every
+    device; bytes move the same), any other as itself."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def _gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Keys and values of the given blocks ([n_blocks] or [R, n_blocks] ids):
     [2, (R,) n_blocks * block_size, kv_heads, head_dim]."""
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
-    gathered = kv_cache.index_select(1, block_ids.reshape(-1))
+    gathered = _as_bytes(kv_cache).index_select(1, block_ids.reshape(-1)).view(kv_cache.dtype)
     return gathered.view(
         2, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, kv_heads, head_dim
     )

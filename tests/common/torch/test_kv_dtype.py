@@ -12,8 +12,10 @@ import torch
 
 from common.host.dtypes import DtypeError
 from common.host.settings import ExecutorConfig
+from common.torch.attention import torch_paged_attention
 from common.wire.step_types import NewRequestData, SamplingParams, StepInput
 from executor_gpu.worker import GPUWorker
+from tests.executor_gpu.paged_cases import step_meta
 from tests.support.processes import ROOT, model_dir
 
 BUDGET = 64 * 2**20
@@ -84,3 +86,21 @@ def test_fp8_is_refused_at_startup_with_exit_status_2():
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--kv-cache-dtype fp8 needs a CUDA device of compute capability 8.9" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_an_fp8_cache_is_stored_as_fp8_and_widened_on_read():
+    """The mechanism CUDA >= 8.9 serves --kv-cache-dtype fp8 with (torch's attention; the
+    executor refuses fp8 on the CPU by policy, but the arithmetic is the same here): keys and
+    values stored as float8_e4m3fn, attention over them in the query's dtype."""
+    fp8 = torch.float8_e4m3fn
+    torch.manual_seed(0)
+    meta = step_meta([40, 9, 23], [1, 1, 1], BLOCK, 64, seed=3)  # three decodes
+    q, k, v = torch.randn(3, 9, 64), torch.randn(3, 3, 64), torch.randn(3, 3, 64)
+    cache = torch.randn(2, 64, BLOCK, 3, 64).to(fp8)
+    widened = cache.float()
+    expected = torch_paged_attention(q, k.to(fp8).float(), v.to(fp8).float(), widened, meta, 0.125)
+    meta.derived.clear()
+    got = torch_paged_attention(q, k, v, cache, meta, 0.125)
+    assert got.dtype == torch.float32
+    assert torch.equal(cache.float(), widened)  # the new keys / values landed, as fp8
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
