@@ -7,11 +7,16 @@ alternating between variants so that a shared machine's noise falls on all of th
 - ``fused``: the C++ attention and layer ops, linear layers on torch's GEMM;
 - ``packed``: everything, linear layers on the packed-panel kernel (what the executor runs).
 
+With ``--dtype float32,bfloat16`` each variant runs in each dtype (bf16 weights, activations
+and KV cache; labels ``packed-bf16`` etc.), so that one run gives bf16's throughput as a ratio
+of float32's on the same machine at the same moment.
+
 For each batch size B it prefills B requests of ``--context`` tokens, then runs ``--steps``
 decode steps (one token per request) and reports the median step, tokens/s and each variant's
-speedup over ``torch``.
+speedup over the first (``torch`` in float32 by default).
 
     python benchmarks/cpu_step.py --batch-sizes 1,16,64 --json /tmp/cpu_step.json
+    python benchmarks/cpu_step.py --variants packed --dtype float32,bfloat16
 """
 
 from __future__ import annotations
@@ -42,12 +47,14 @@ from tests.support.processes import model_dir  # noqa: E402
 VARIANTS = ("torch", "fused", "packed")
 
 
-def build_runner(model: str, variant: str, num_blocks: int) -> GPUModelRunner:
-    """A CPU runner with the variant's kernels, its KV cache allocated."""
+def build_runner(
+    model: str, variant: str, num_blocks: int, dtype: str = "float32"
+) -> GPUModelRunner:
+    """A CPU runner with the variant's kernels in ``dtype``, its KV cache allocated."""
     os.environ["TANDEM_CPU_KERNELS"] = "0" if variant == "torch" else "1"
     try:
         runner = GPUModelRunner(
-            ExecutorConfig(model=model, device="cpu"), load_model_geometry(model)
+            ExecutorConfig(model=model, device="cpu", dtype=dtype), load_model_geometry(model)
         )
     finally:
         os.environ.pop("TANDEM_CPU_KERNELS")
@@ -95,13 +102,21 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=10, help="decode steps timed per batch size")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument(
+        "--dtype", default="float32", help="dtypes to run each variant in, e.g. float32,bfloat16"
+    )
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     sizes = [int(b) for b in a.batch_sizes.split(",")]
-    variants = a.variants.split(",")
+    dtypes = a.dtype.split(",")
     blocks_each = -(-(a.context + a.steps + 1) // 16)
     num_blocks = 1 + max(sizes) * blocks_each
-    runners = {v: build_runner(a.model, v, num_blocks) for v in variants}
+    runners = {
+        label(v, d, dtypes): build_runner(a.model, v, num_blocks, d)
+        for d in dtypes
+        for v in a.variants.split(",")
+    }
+    variants = list(runners)
     results = []
     with torch.inference_mode():
         for batch in sizes:
@@ -116,6 +131,7 @@ def main(argv=None) -> None:
                     {
                         "batch": batch,
                         "variant": v,
+                        "dtype": str(runners[v].dtype).removeprefix("torch."),
                         "decode_step_ms": med * 1e3,
                         "decode_tok_s": batch / med,
                         "prefill_s": pre[v],
@@ -123,18 +139,24 @@ def main(argv=None) -> None:
                 )
     base = {(r["batch"]): r["decode_step_ms"] for r in results if r["variant"] == variants[0]}
     print(
-        f"{'batch':>5} {'variant':>8} {'step ms':>8} {'tok/s':>7} {'prefill s':>9} "
+        f"{'batch':>5} {'variant':>11} {'step ms':>8} {'tok/s':>7} {'prefill s':>9} "
         f"{variants[0] + '/x':>9}"
     )
     for r in results:
         r["speedup"] = base[r["batch"]] / r["decode_step_ms"]
         print(
-            f"{r['batch']:>5} {r['variant']:>8} {r['decode_step_ms']:>8.1f} "
+            f"{r['batch']:>5} {r['variant']:>11} {r['decode_step_ms']:>8.1f} "
             f"{r['decode_tok_s']:>7.1f} {r['prefill_s']:>9.2f} {r['speedup']:>9.2f}"
         )
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"context": a.context, "steps": a.steps, "results": results}, f, indent=1)
+
+
+def label(variant: str, dtype: str, dtypes: list[str]) -> str:
+    """The variant's name, with its dtype when several are compared (packed-bf16)."""
+    short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(dtype, dtype)
+    return variant if len(dtypes) == 1 else f"{variant}-{short}"
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ pass (``common.torch.sampling``), one device-to-host copy of the results.
 
 On CUDA it uses executor_gpu's Triton kernels: decode attention over the paged cache
 ("triton_paged") and the fused per-layer ops (``triton_layer_ops``), and replays pure decode
-steps from CUDA graphs (``cuda/graphs.py``; not with enforce_eager). On the CPU in float32 it uses
+steps from CUDA graphs (``cuda/graphs.py``; not with enforce_eager). On the CPU (float32 or
+bfloat16, the KV cache in the same dtype) it uses
 the C++ kernels where they build: paged attention of decodes and prefill chunks ("cpu_paged")
 and the fused per-layer ops (``cpu/layer_ops.py``). TANDEM_CUDA_KERNELS=0 / TANDEM_CPU_KERNELS=0
 keep the torch implementations.
@@ -66,7 +67,7 @@ class GPUModelRunner(TorchModelRunner):
         self.fused_ops = None  # the device's fused layer ops, where it has them
         self.stack_forward_of = None  # builds the model's one-call decoder stack, where it has one
         self.graphs: DecodeGraphs | None = None  # decode replay, set up by capture_model
-        if self.device.type == "cuda" and os.environ.get("TANDEM_CUDA_KERNELS", "1") != "0":
+        if self.device.type == "cuda" and self._cuda_kernels_apply():
             try:
                 from executor_gpu.cuda import triton_attention, triton_layer_ops
             except ImportError as exc:  # no Triton: torch's operators, eager
@@ -75,8 +76,8 @@ class GPUModelRunner(TorchModelRunner):
                 triton_attention.register()
                 self.attention_backend = triton_attention.BACKEND_NAME
                 self.fused_ops = triton_layer_ops.CUDA_LAYER_OPS
-        # On the CPU in float32: the C++ kernels for attention and the layer ops.
-        if self.device.type == "cpu" and config.dtype == "float32" and cpu_kernels.enabled():
+        # On the CPU in float32 or bf16: the C++ kernels for attention and the layer ops.
+        if self.device.type == "cpu" and self._cpu_kernels_apply():
             from executor_gpu.cpu import attention as cpu_attention
             from executor_gpu.cpu import decoder_stack as cpu_decoder_stack
             from executor_gpu.cpu import layer_ops as cpu_layer_ops
@@ -85,6 +86,39 @@ class GPUModelRunner(TorchModelRunner):
                 self.attention_backend = cpu_attention.BACKEND_NAME
                 self.fused_ops = cpu_layer_ops.layer_ops()
                 self.stack_forward_of = cpu_decoder_stack.stack_forward_of
+
+    def _cuda_kernels_apply(self) -> bool:
+        """Whether the Triton kernels serve: they read a cache of the model's dtype; another
+        cache dtype (fp8) runs torch's attention, which widens it on read, eagerly."""
+        if os.environ.get("TANDEM_CUDA_KERNELS", "1") == "0":
+            return False
+        p = self.precision
+        if p.kv_cache_dtype == p.dtype:
+            return True
+        log.warning(
+            "a %s KV cache under %s weights: torch's attention (widening the cache on read) and "
+            "no decode graphs; the Triton kernels read a cache of the model's dtype",
+            p.kv_cache_dtype,
+            p.dtype,
+        )
+        return False
+
+    def _cpu_kernels_apply(self) -> bool:
+        """Whether the CPU's C++ kernels serve this precision (float32 or bf16, the cache in
+        the model's dtype); any other precision runs the torch implementations, said once in
+        the log."""
+        if not cpu_kernels.enabled():
+            return False
+        p = self.precision
+        if p.dtype in ("float32", "bfloat16") and p.kv_cache_dtype == p.dtype:
+            return True
+        log.warning(
+            "dtype %s with a %s KV cache on the CPU: the torch implementations serve (the C++ "
+            "kernels take float32 or bfloat16 weights with a cache of the same dtype)",
+            p.dtype,
+            p.kv_cache_dtype,
+        )
+        return False
 
     def load_model(self) -> None:
         """Load the model, then switch it to the device's fused layer ops where they exist."""

@@ -106,9 +106,8 @@ class TPUModelRunner(TorchModelRunner):
         padded = options.kv_layout == "padded" or (
             options.kv_layout == "auto" and attention == "ragged"
         )
-        dtype_bytes = torch.empty(0, dtype=self.dtype).element_size()
         self.layout = (
-            kernel_layout(geometry.num_kv_heads, geometry.head_dim, dtype_bytes)
+            kernel_layout(geometry.num_kv_heads, geometry.head_dim, self.precision.kv_bytes)
             if padded
             else plain_layout(geometry.num_kv_heads, geometry.head_dim)
         )
@@ -148,11 +147,17 @@ class TPUModelRunner(TorchModelRunner):
         """Block size and bytes of the (possibly padded) layout."""
         spec = super().get_kv_cache_spec()
         shape = self.layout.shape(1, self.config.block_size)
-        dtype_bytes = torch.empty(0, dtype=self.dtype).element_size()
-        spec.bytes_per_block = int(np.prod(shape)) * dtype_bytes * self.geometry.num_layers
+        spec.bytes_per_block = (
+            int(np.prod(shape)) * self.precision.kv_bytes * self.geometry.num_layers
+        )
         return spec
 
     # --- hooks of the shared runner -------------------------------------------------------
+
+    @classmethod
+    def device_kind_of(cls, device: torch.device) -> str:
+        """A TPU is "tpu" (--dtype auto: the checkpoint's dtype); XLA:CPU is the CPU."""
+        return "tpu" if is_tpu(device) else "cpu"
 
     def load_device(self) -> str:
         """Weights are read on the host, then moved (one transfer per tensor)."""

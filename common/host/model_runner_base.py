@@ -11,20 +11,31 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+from common.host.dtypes import Precision, checkpoint_dtype, resolve_precision
 from common.host.settings import ExecutorConfig
 from common.host.step_check import StepLimits
-from common.wire.config import Capabilities, KVCacheSpec, ModelGeometry
+from common.wire.config import Capabilities, KVCacheSpec, ModelGeometry, kv_bytes_per_block
 from common.wire.step_types import StepInput, StepOutput
-
-_DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class ModelRunnerBase(abc.ABC):
     """Owns the model, its KV cache and the persistent batch of one executor."""
 
-    def __init__(self, config: ExecutorConfig, geometry: ModelGeometry):
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        geometry: ModelGeometry,
+        device_kind: str = "cpu",
+        capability: tuple[int, int] | None = None,
+    ):
         self.config = config  # executor configuration
         self.geometry = geometry  # model geometry read from the checkpoint
+        # --dtype / --kv-cache-dtype resolved for this device (cpu, cuda or tpu; capability:
+        # CUDA's compute capability); a dtype the device cannot run is refused here, at startup.
+        checkpoint = checkpoint_dtype(config.model) if config.dtype == "auto" else "float32"
+        self.precision: Precision = resolve_precision(
+            config.dtype, config.kv_cache_dtype, checkpoint, device_kind, capability
+        )
         self.model: Any = None  # set by load_model()
         self.num_blocks = 0  # set by initialize_kv_cache()
 
@@ -33,13 +44,17 @@ class ModelRunnerBase(abc.ABC):
         return self.model
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
-        """Block layout of the KV cache, from the model geometry and configured dtype."""
+        """Block layout of the KV cache, from the model geometry and the resolved KV dtype (a
+        bf16 cache's block takes half a float32 one's bytes: twice the blocks per budget)."""
         g = self.geometry
         block_size = self.config.block_size
-        dtype_size = _DTYPE_SIZES[self.config.dtype]
-        per_block = 2 * block_size * g.num_kv_heads * g.head_dim * dtype_size * g.num_layers
+        per_block = kv_bytes_per_block(
+            block_size, g.num_kv_heads, g.head_dim, g.num_layers, self.precision.kv_bytes
+        )
         return KVCacheSpec(
-            block_size=block_size, bytes_per_block=per_block, dtype=self.config.dtype
+            block_size=block_size,
+            bytes_per_block=per_block,
+            dtype=self.precision.kv_cache_dtype,
         )
 
     def get_capabilities(self) -> Capabilities:

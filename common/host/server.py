@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common import logs
+from common.host.dtypes import DtypeError
 from common.host.servicer import ExecutorServicer
 from common.host.settings import EXIT_DEVICE_FAILED, ExecutorConfig, ExecutorSettings
 from common.host.worker_base import WorkerBase
@@ -192,7 +193,12 @@ def serve(
     if settings.health_port:
         health_server = _health_only_server(served.health, settings.host, settings.health_port)
     log.info("loading %s", settings.model)
-    served.servicer.load()
+    try:
+        served.servicer.load()
+    except DtypeError as exc:  # a dtype this device cannot run: a usage error, said plainly
+        log.critical("%s", exc)
+        served.server.stop(grace=0)
+        sys.exit(2)
     mark_serving(served)
     log.info("ready: %s on %s", worker.device_kind, worker.device_name)
     wait_for_signal(served.device_failed)

@@ -23,8 +23,16 @@ class ExecutorConfig(ModelSourceSettings):
     served_model_name: str = setting(
         "", "name reported to the controller; '' = the model id or the directory's name"
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = setting(
-        "float32", "weights and activations dtype"
+    # Precision (common/host/dtypes.py resolves "auto" against the checkpoint and device).
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
+        "auto",
+        "weights and activations dtype; auto = the checkpoint's torch_dtype on CUDA / TPU, "
+        "float32 on the CPU (float16: CUDA only)",
+    )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = setting(
+        "auto",
+        "KV cache dtype; auto = --dtype's; fp8 (float8_e4m3fn) needs CUDA compute capability "
+        ">= 8.9",
     )
     device: str = setting(
         "auto", "auto, cpu, cuda or cuda:N (GPU executor); auto, tpu or cpu (TPU executor)"

@@ -65,16 +65,22 @@ def write_kv(
 ) -> None:
     """Store the new tokens' keys/values ([T, kv_heads, head_dim]) at their cache slots."""
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    flat = _as_bytes(kv_cache).view(2, num_blocks * block_size, kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, _as_bytes(key.to(kv_cache.dtype)))
+    flat[1].index_copy_(0, slot_mapping, _as_bytes(value.to(kv_cache.dtype)))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as its bytes (copies and gathers are not implemented for fp8 on every
+    device; bytes move the same), any other as itself."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def _gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Keys and values of the given blocks ([n_blocks] or [R, n_blocks] ids):
     [2, (R,) n_blocks * block_size, kv_heads, head_dim]."""
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
-    gathered = kv_cache.index_select(1, block_ids.reshape(-1))
+    gathered = _as_bytes(kv_cache).index_select(1, block_ids.reshape(-1)).view(kv_cache.dtype)
     return gathered.view(
         2, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, kv_heads, head_dim
     )
@@ -131,27 +137,30 @@ def _decode_attention(
     n, num_heads, head_dim = query.shape
     kv_heads = kv_cache.shape[3]
     group = num_heads // kv_heads
-    key = ("decode", kv_cache.dtype, window)
+    # Attention runs in the cache's dtype, except that an fp8 cache (no arithmetic of its own)
+    # is widened to the query's on read.
+    compute = query.dtype if kv_cache.element_size() == 1 else kv_cache.dtype
+    key = ("decode", compute, window)
     if key not in meta.derived:
         bs = meta.block_size
         num_ctx_blocks = (meta.max_decode_seq_len + bs - 1) // bs
         length = num_ctx_blocks * bs
         span = torch.arange(length, device=query.device)[None, :]
         valid = visible_keys(span, meta.seq_lens[:n, None] - 1, window)
-        mask = torch.zeros(n, 1, 1, length, dtype=kv_cache.dtype, device=query.device)
+        mask = torch.zeros(n, 1, 1, length, dtype=compute, device=query.device)
         mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
         meta.derived[key] = (mask, meta.block_tables[:n, :num_ctx_blocks])
     mask, tables = meta.derived[key]  # additive mask [N, 1, 1, L], block ids [N, L / bs]
     ctx = _gather_context(kv_cache, tables)  # [2, N, L, kvh, d]
-    keys = ctx[0].transpose(1, 2)  # [N, kvh, L, d]
-    values = ctx[1].transpose(1, 2)
+    keys = ctx[0].transpose(1, 2).to(compute)  # [N, kvh, L, d]
+    values = ctx[1].transpose(1, 2).to(compute)
     # The group of query heads sharing a KV head plays the role of the query-length axis, so the
     # keys are never repeated per head. Slots past a request's length (or before its window)
     # are masked out; they must hold finite values (a zero weight times NaN is NaN): the model
     # runner zeroes the slots of any request whose step produced non-finite values.
-    q = query.view(n, kv_heads, group, head_dim).to(keys.dtype)
+    q = query.view(n, kv_heads, group, head_dim).to(compute)
     out = attend(q, keys, values, mask, scale, softcap)
-    return out.reshape(n, num_heads, head_dim)
+    return out.reshape(n, num_heads, head_dim).to(query.dtype)
 
 
 def _prefill_attention(

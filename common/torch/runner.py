@@ -17,6 +17,7 @@ shared too; a device adjusts them through small hooks (``load_device``, ``place_
 from __future__ import annotations
 
 import abc
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -35,7 +36,14 @@ from common.wire.step_types import (
     TokenLogprobs,
 )
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger(__name__)
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8": torch.float8_e4m3fn,  # KV cache only: stored without scales, widened on read
+}
 
 #: Worst-case sampling for dummy runs: random with every filter, penalties and logprobs.
 DUMMY_SAMPLING = SamplingParams(
@@ -99,9 +107,20 @@ class TorchModelRunner(ModelRunnerBase):
         device: torch.device,
         batch_device: torch.device | str | None = None,
     ):
-        super().__init__(config, geometry)
+        kind = self.device_kind_of(device)
+        capability = torch.cuda.get_device_capability(device) if kind == "cuda" else None
+        super().__init__(config, geometry, kind, capability)
         self.device = device  # where weights and the KV cache live
-        self.dtype = DTYPES[config.dtype]  # weights / activations / KV dtype
+        self.dtype = DTYPES[self.precision.dtype]  # weights / activations dtype
+        self.kv_dtype = DTYPES[self.precision.kv_cache_dtype]  # the KV cache's dtype
+        log.info(
+            "dtype %s (--dtype %s), KV cache %s (--kv-cache-dtype %s) on %s",
+            self.precision.dtype,
+            config.dtype,
+            self.precision.kv_cache_dtype,
+            config.kv_cache_dtype,
+            kind,
+        )
         self.kv_caches: list[torch.Tensor] = []  # one per layer, shape from kv_cache_shape()
         # Step tensors built by InputBatch.build go to batch_device (the device by default).
         self.input_batch = InputBatch(
@@ -111,6 +130,12 @@ class TorchModelRunner(ModelRunnerBase):
         self._profiler: torch.profiler.profile | None = None  # while start_profile() is active
 
     # --- hooks ----------------------------------------------------------------------------
+
+    @classmethod
+    def device_kind_of(cls, device: torch.device) -> str:
+        """The kind of ``device`` the dtype decisions use (common.host.dtypes): cuda, tpu or
+        cpu (XLA:CPU counts as the CPU)."""
+        return "cuda" if device.type == "cuda" else "cpu"
 
     def load_device(self) -> torch.device | str:
         """Where the checkpoint is loaded (the device itself unless overridden)."""
@@ -149,7 +174,7 @@ class TorchModelRunner(ModelRunnerBase):
         self.model.bind_kv_cache(None)
         shape = self.kv_cache_shape(num_blocks)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             for _ in range(self.geometry.num_layers)
         ]
         self.model.bind_kv_cache(self.kv_caches)

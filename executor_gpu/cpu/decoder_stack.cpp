@@ -1,4 +1,4 @@
-// A Llama-family model's decoder layers run in one call on the CPU (float32).
+// A Llama-family model's decoder layers run in one call on the CPU (float32 or bfloat16).
 //
 // Called layer by layer from Python, a decode step pays the interpreter for every module call
 // and every kernel call: ~10 kernels per layer, each crossing the binding and the dispatcher,

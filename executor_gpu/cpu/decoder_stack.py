@@ -1,4 +1,4 @@
-"""The whole decoder stack in one kernel call (decoder_stack.cpp) for float32 models.
+"""The whole decoder stack in one kernel call (decoder_stack.cpp) for float32 and bf16 models.
 
 ``stack_forward_of`` returns a function the model calls instead of looping over its layers in
 Python: it hands the step's embeddings, every layer's weights and KV cache and the step's

@@ -3,8 +3,8 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &tandem::paged_attention,
-        "Causal attention of a step's query tokens over a paged float32 KV cache, optionally "
-        "storing their keys and values first",
+        "Causal attention of a step's query tokens over a paged float32 or bf16 KV cache, "
+        "optionally storing their keys and values first",
         pybind11::arg("query"), pybind11::arg("new_key"), pybind11::arg("new_value"),
         pybind11::arg("slots"), pybind11::arg("kv_cache"), pybind11::arg("block_tables"),
         pybind11::arg("seq_lens"), pybind11::arg("query_start_loc"), pybind11::arg("scale"));

@@ -1,4 +1,5 @@
-// The CPU kernels of executor_gpu (float32), bound into one extension by kernels.cpp.
+// The CPU kernels of executor_gpu (float32 and bfloat16), bound into one extension by
+// kernels.cpp.
 #pragma once
 
 #include <torch/extension.h>
@@ -9,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -18,6 +20,80 @@ namespace tandem {
 constexpr int64_t kLanes = 16;
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef float UVec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+
+// bfloat16 storage, float32 arithmetic. Every kernel is a template over its element type T:
+// float, or Bf16 (the upper half of a float32's bits). Values are widened to float32 on load
+// and rounded to nearest-even on store; where the reference model (transformers in bf16) rounds
+// an intermediate value to bf16, the kernels round it too (round_to<T>), so that bf16 results
+// follow the reference's arithmetic. For T = float every conversion is the identity and the
+// float32 kernels compute exactly what they computed before.
+struct Bf16 {
+  uint16_t bits;
+};
+static_assert(sizeof(Bf16) == 2, "Bf16 is two bytes");
+
+typedef uint16_t HVec __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(2)));
+typedef uint32_t IVec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+inline float to_float(float x) { return x; }
+inline float to_float(Bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// float32 -> bf16 bits, rounded to nearest-even (NaNs stay NaNs: their payload's top bit is set).
+inline uint16_t bf16_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+template <class T>
+inline T from_float(float x);
+template <>
+inline float from_float<float>(float x) {
+  return x;
+}
+template <>
+inline Bf16 from_float<Bf16>(float x) {
+  return Bf16{bf16_bits(x)};
+}
+
+// x rounded to T's precision, as a float32.
+template <class T>
+inline float round_to(float x) {
+  return to_float(from_float<T>(x));
+}
+
+// kLanes elements at p (any alignment) widened to float32, and stored back rounded.
+inline Vec load_vec(const float* p) { return *reinterpret_cast<const UVec*>(p); }
+inline Vec load_vec(const Bf16* p) {
+  const IVec wide = __builtin_convertvector(*reinterpret_cast<const HVec*>(p), IVec) << 16;
+  return reinterpret_cast<const Vec&>(wide);
+}
+inline void store_vec(float* p, Vec v) { *reinterpret_cast<UVec*>(p) = v; }
+inline void store_vec(Bf16* p, Vec v) {
+  IVec bits = reinterpret_cast<const IVec&>(v);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  *reinterpret_cast<HVec*>(p) = __builtin_convertvector(bits >> 16, HVec);
+}
+
+// The element pointer of a float32 or bfloat16 tensor.
+template <class T>
+inline T* data_of(const torch::Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
+}
+
+// Runs body.template operator()<T>() with T the C++ type of a float32 or bfloat16 tensor.
+template <class Body>
+inline auto dispatch_float_or_bf16(at::ScalarType type, const char* name, Body&& body) {
+  if (type == at::kBFloat16) return body(Bf16{});
+  TORCH_CHECK(type == at::kFloat, name, ": float32 or bfloat16 only");
+  return body(float{});
+}
 
 // e^x in float32 for x in about [-87, 88] (clamped outside): Cody-Waite range reduction by
 // ln 2 and a degree-6 polynomial (within ~3 ulp); written without branches so loops over it

@@ -1,4 +1,4 @@
-"""executor_gpu's CPU kernels (float32), compiled on first use.
+"""executor_gpu's CPU kernels (float32 and bfloat16), compiled on first use.
 
 One C++ extension holds the attention over the paged cache (paged_attention.cpp) and
 the model's fused per-layer elementwise ops (layer_ops.cpp). It is compiled once with

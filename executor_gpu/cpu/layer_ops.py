@@ -1,9 +1,11 @@
-"""The fused CPU layer ops (layer_ops.cpp) as a ``LayerOps`` for float32 models.
+"""The fused CPU layer ops (layer_ops.cpp) as a ``LayerOps`` for float32 and bfloat16 models.
 
 Each elementwise op is one pass over its rows (RMSNorm with the residual add folded in, RoPE in
 place on the query and key heads, SiLU-and-multiply) instead of several eager torch operators
 (layer_ops.cpp); linear layers run over weights packed into column panels
-(packed_linear.cpp). ``layer_ops`` returns None where the kernels cannot be built.
+(packed_linear.cpp). In bfloat16 the kernels read and write bf16 and compute in float32,
+rounding where the reference rounds. ``layer_ops`` returns None where the kernels cannot be
+built.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from executor_gpu.cpu.kernels import load_kernels
 
 
 def layer_ops_of(module) -> LayerOps:
-    """A ``LayerOps`` over the built kernels (float32 only)."""
+    """A ``LayerOps`` over the built kernels (float32 or bfloat16 models)."""
     rotary_ = module.rotary_
     pack, packed_linear, panel = module.pack_linear_weight, module.packed_linear, module.PANEL
 
@@ -33,7 +35,7 @@ def layer_ops_of(module) -> LayerOps:
 
     def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if weight.dim() == 3:  # packed
-            return packed_linear(hidden, weight, None)
+            return packed_linear(hidden, weight, None).float()  # no copy in float32
         return torch_logits(hidden, weight)
 
     def rope_for_step(

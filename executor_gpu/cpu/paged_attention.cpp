@@ -1,5 +1,7 @@
-// Causal attention straight from the paged KV cache on the CPU (float32), for every request of
-// a step: decodes (one query token) and prefill chunks (several, after any cached tokens).
+// Causal attention straight from the paged KV cache on the CPU (float32 or bfloat16), for every
+// request of a step: decodes (one query token) and prefill chunks (several, after any cached
+// tokens). A bf16 cache is read as bf16 (half the bytes of a float32 one) and widened to
+// float32 in registers; the arithmetic is float32 and the output is rounded to bf16 once.
 //
 // The torch reference gathers every request's blocks into a padded copy, then runs SDPA over it
 // (at batch 64 that copy moves as many bytes per step as the weights; SDPA over one short
@@ -33,16 +35,18 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // [N, heads, d] rows (any row stride, contiguous heads): the form the kernel reads.
 void check_heads(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat, name, ": float32 only");
+  TORCH_CHECK(t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16, name,
+              ": float32 or bfloat16 only");
   TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2), name,
               ": [N, heads, d] with contiguous heads only");
 }
 
-// A thread's working memory for one task at a time.
+// A thread's working memory for one task at a time (T: the cache's element type).
+template <class T>
 struct Scratch {
-  std::vector<float> scores;       // [kMaxPassHeads, padded length] softmax numerators
-  std::vector<Vec> parts;          // [kMaxPassHeads, kLanes] partial dot products
-  std::vector<const float*> keys;  // [padded length] each token's key row
+  std::vector<float> scores;    // [kMaxPassHeads, padded length] softmax numerators
+  std::vector<Vec> parts;       // [kMaxPassHeads, kLanes] partial dot products
+  std::vector<const T*> keys;   // [padded length] each token's key row
   int64_t stride;                  // padded length: scores row stride
 
   explicit Scratch(int64_t max_len) : stride((max_len + kLanes - 1) / kLanes * kLanes) {
@@ -81,30 +85,30 @@ inline Vec sum_lanes(const Vec* p) {
 
 // One query token's attention for kHeads heads of kVecs vectors that share a KV head, over the
 // keys listed in `keys` (values at value_offset past each): q and out hold the heads' rows.
-template <int kVecs, int kHeads>
+template <class T, int kVecs, int kHeads>
 #ifdef __AVX512F__
 __attribute__((target("prefer-vector-width=512")))
 #endif
-void attend_heads(const float* q, const float* const* keys, int64_t value_offset, int64_t len,
-                  float scale, Scratch& s, float* out) {
+void attend_heads(const T* q, const T* const* keys, int64_t value_offset, int64_t len,
+                  float scale, Scratch<T>& s, T* out) {
   constexpr int64_t dim = kVecs * kLanes;
   const int64_t stride = s.stride;
   Vec* parts = s.parts.data();
   float* scores = s.scores.data();
   Vec qv[kHeads][kVecs];
   for (int h = 0; h < kHeads; ++h)
-    for (int v = 0; v < kVecs; ++v) qv[h][v] = *reinterpret_cast<const UVec*>(q + h * dim + v * kLanes);
+    for (int v = 0; v < kVecs; ++v) qv[h][v] = load_vec(q + h * dim + v * kLanes);
 
   // Scores, 16 keys at a time; lanes past the last key are -inf (weight 0).
   for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, len - t0);
     for (int64_t j = 0; j < n; ++j) {
-      const float* kp = keys[t0 + j];
+      const T* kp = keys[t0 + j];
       if (t0 + j + kPrefetchTokens < len)  // the keys ahead, and the values read next
         for (int v = 0; v < kVecs; ++v) __builtin_prefetch(keys[t0 + j + kPrefetchTokens] + v * kLanes);
       for (int v = 0; v < kVecs; ++v) __builtin_prefetch(kp + value_offset + v * kLanes);
       Vec k[kVecs];
-      for (int v = 0; v < kVecs; ++v) k[v] = *reinterpret_cast<const UVec*>(kp + v * kLanes);
+      for (int v = 0; v < kVecs; ++v) k[v] = load_vec(kp + v * kLanes);
       for (int h = 0; h < kHeads; ++h) {
         Vec dot = qv[h][0] * k[0];
         for (int v = 1; v < kVecs; ++v) dot += qv[h][v] * k[v];
@@ -143,9 +147,9 @@ void attend_heads(const float* q, const float* const* keys, int64_t value_offset
 
   Vec acc[kHeads][kVecs] = {};
   for (int64_t t = 0; t < len; ++t) {
-    const float* vp = keys[t] + value_offset;
+    const T* vp = keys[t] + value_offset;
     Vec val[kVecs];
-    for (int v = 0; v < kVecs; ++v) val[v] = *reinterpret_cast<const UVec*>(vp + v * kLanes);
+    for (int v = 0; v < kVecs; ++v) val[v] = load_vec(vp + v * kLanes);
     for (int h = 0; h < kHeads; ++h) {
       const float p = scores[h * stride + t];
       for (int v = 0; v < kVecs; ++v) acc[h][v] += p * val[v];
@@ -153,39 +157,42 @@ void attend_heads(const float* q, const float* const* keys, int64_t value_offset
   }
   for (int h = 0; h < kHeads; ++h)
     for (int v = 0; v < kVecs; ++v)
-      *reinterpret_cast<UVec*>(out + h * dim + v * kLanes) = acc[h][v] * inv_total[h];
+      store_vec(out + h * dim + v * kLanes, acc[h][v] * inv_total[h]);
 }
 
 // attend_heads for n (1..kHeads) heads, n known only at run time.
-template <int kVecs, int kHeads>
-void attend_n_heads(int64_t n, const float* q, const float* const* keys, int64_t value_offset,
-                    int64_t len, float scale, Scratch& s, float* out) {
+template <class T, int kVecs, int kHeads>
+void attend_n_heads(int64_t n, const T* q, const T* const* keys, int64_t value_offset,
+                    int64_t len, float scale, Scratch<T>& s, T* out) {
   if constexpr (kHeads > 1)
     if (n < kHeads)
-      return attend_n_heads<kVecs, kHeads - 1>(n, q, keys, value_offset, len, scale, s, out);
-  attend_heads<kVecs, kHeads>(q, keys, value_offset, len, scale, s, out);
+      return attend_n_heads<T, kVecs, kHeads - 1>(n, q, keys, value_offset, len, scale, s, out);
+  attend_heads<T, kVecs, kHeads>(q, keys, value_offset, len, scale, s, out);
 }
 
 // Every query head of `group` sharing one KV head, in passes of as many heads as registers
 // hold (kRegisterVecs / kVecs, at most kMaxPassHeads).
-template <int kVecs>
-void attend_group(const float* q, const float* const* keys, int64_t value_offset, int64_t len,
-                  int64_t group, float scale, Scratch& s, float* out) {
+template <class T, int kVecs>
+void attend_group(const T* q, const T* const* keys, int64_t value_offset, int64_t len,
+                  int64_t group, float scale, Scratch<T>& s, T* out) {
   constexpr int kMax = std::min(kMaxPassHeads, std::max(1, kRegisterVecs / kVecs));
   constexpr int64_t dim = kVecs * kLanes;
   for (int64_t h = 0; h < group; h += kMax)
-    attend_n_heads<kVecs, kMax>(std::min<int64_t>(kMax, group - h), q + h * dim, keys,
+    attend_n_heads<T, kVecs, kMax>(std::min<int64_t>(kMax, group - h), q + h * dim, keys,
                                 value_offset, len, scale, s, out + h * dim);
 }
 
-using GroupKernel = void (*)(const float*, const float* const*, int64_t, int64_t, int64_t, float,
-                             Scratch&, float*);
-template <int... kVecs>
-constexpr std::array<GroupKernel, sizeof...(kVecs)> make_group_kernels(
+template <class T>
+using GroupKernel = void (*)(const T*, const T* const*, int64_t, int64_t, int64_t, float,
+                             Scratch<T>&, T*);
+template <class T, int... kVecs>
+constexpr std::array<GroupKernel<T>, sizeof...(kVecs)> make_group_kernels(
     std::integer_sequence<int, kVecs...>) {
-  return {attend_group<kVecs + 1>...};
+  return {attend_group<T, kVecs + 1>...};
 }
-constexpr auto kGroupKernels = make_group_kernels(std::make_integer_sequence<int, kMaxHeadVecs>{});
+template <class T>
+constexpr auto kGroupKernels =
+    make_group_kernels<T>(std::make_integer_sequence<int, kMaxHeadVecs>{});
 
 // One unit of work: a run of one request's query tokens against a range of KV heads.
 struct Task {
@@ -208,8 +215,8 @@ torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> 
                               torch::Tensor block_tables, torch::Tensor seq_lens,
                               torch::Tensor query_start_loc, double scale) {
   check_heads(query, "query");
-  TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat && kv_cache.is_contiguous(),
-              "kv_cache: contiguous float32 only");
+  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type() && kv_cache.is_contiguous(),
+              "kv_cache: contiguous, of the query's dtype");
   auto tables = block_tables.to(torch::kLong).contiguous();
   auto lens = seq_lens.to(torch::kLong).contiguous();
   auto starts = query_start_loc.to(torch::kLong).contiguous();
@@ -234,7 +241,9 @@ torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> 
     TORCH_CHECK(qs[n + 1] >= qs[n] && sl[n] >= qs[n + 1] - qs[n] &&
                     sl[n] <= max_blocks * block_size,
                 "request ", n, ": its query tokens must fit its length and its block table");
-  float* kv = kv_cache.data_ptr<float>();
+  return dispatch_float_or_bf16(query.scalar_type(), "paged_attention", [&](auto tag) {
+  using T = decltype(tag);
+  T* kv = data_of<T>(kv_cache);
 
   const bool store = new_key.has_value();
   TORCH_CHECK(store == new_value.has_value() && store == slots.has_value(),
@@ -242,22 +251,25 @@ torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> 
   if (store) {
     check_heads(*new_key, "new_key");
     check_heads(*new_value, "new_value");
+    TORCH_CHECK(new_key->scalar_type() == query.scalar_type() &&
+                    new_value->scalar_type() == query.scalar_type(),
+                "new keys / values: of the query's dtype");
     auto slot_ids = slots->to(torch::kLong).contiguous();
     TORCH_CHECK(new_key->size(0) == tokens && new_value->size(0) == tokens &&
                     slot_ids.numel() == tokens &&
                     new_key->size(1) * new_key->size(2) == token_elems &&
                     new_value->size(1) * new_value->size(2) == token_elems,
                 "new keys / values: every KV head of every query token");
-    const float* nk = new_key->data_ptr<float>();
-    const float* nv = new_value->data_ptr<float>();
+    const T* nk = data_of<T>(*new_key);
+    const T* nv = data_of<T>(*new_value);
     const int64_t nk_stride = new_key->stride(0), nv_stride = new_value->stride(0);
     const int64_t* sp = slot_ids.data_ptr<int64_t>();
     for (int64_t t = 0; t < tokens; ++t)
       TORCH_CHECK(sp[t] >= 0 && sp[t] < num_blocks * block_size, "slot out of range");
     for (int64_t t = 0; t < tokens; ++t) {
-      std::memcpy(kv + sp[t] * token_elems, nk + t * nk_stride, token_elems * sizeof(float));
+      std::memcpy(kv + sp[t] * token_elems, nk + t * nk_stride, token_elems * sizeof(T));
       std::memcpy(kv + value_offset + sp[t] * token_elems, nv + t * nv_stride,
-                  token_elems * sizeof(float));
+                  token_elems * sizeof(T));
     }
   }
 
@@ -287,15 +299,15 @@ torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> 
     }
 
   auto out = torch::empty({tokens, heads, dim}, query.options());
-  const float* q = query.data_ptr<float>();
+  const T* q = data_of<T>(query);
   const int64_t q_stride = query.stride(0);
-  float* o = out.data_ptr<float>();
+  T* o = data_of<T>(out);
   const float sc = static_cast<float>(scale);
-  const GroupKernel kernel = kGroupKernels[dim / kLanes - 1];
+  const GroupKernel<T> kernel = kGroupKernels<T>[dim / kLanes - 1];
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks.size());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch scratch(max_len);
+    Scratch<T> scratch(max_len);
     int64_t listed = -1;  // the request whose key rows scratch.keys holds
     for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(tasks.size());
          i = next.fetch_add(1)) {
@@ -306,7 +318,7 @@ torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> 
         if (listed != n * kv_heads + g) {  // key rows, block by block
           const int64_t* table = bt + n * max_blocks;
           for (int64_t first = 0, b = 0; first < len; first += block_size, ++b) {
-            const float* row = kv + g * dim + table[b] * block_size * token_elems;
+            const T* row = kv + g * dim + table[b] * block_size * token_elems;
             for (int64_t j = 0; j < std::min(block_size, len - first); ++j) {
               scratch.keys[first + j] = row + j * token_elems;
               if (first + j < kPrefetchTokens)  // the first keys now; the loop asks for the rest
@@ -324,6 +336,7 @@ torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> 
     }
   });
   return out;
+  });
 }
 
 }  // namespace tandem

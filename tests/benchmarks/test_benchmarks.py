@@ -192,6 +192,24 @@ def test_cpu_step_benchmark_times_every_variant(default_model_dir, tmp_path):
         assert r["decode_tok_s"] == pytest.approx(r["batch"] * 1e3 / r["decode_step_ms"])
 
 
+def test_cpu_step_benchmark_compares_dtypes(default_model_dir, tmp_path):
+    """--dtype float32,bfloat16: each variant in each dtype, in one run (bf16's ratio)."""
+    out = tmp_path / "cpu_step.json"
+    run = run_script(
+        ["benchmarks/cpu_step.py", "--model", default_model_dir, "--batch-sizes", "1"]
+        + ["--context", "20", "--steps", "2", "--variants", "packed"]
+        + ["--dtype", "float32,bfloat16", "--json", str(out)],
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["variant"], r["dtype"]) for r in rows] == [
+        ("packed-f32", "float32"),
+        ("packed-bf16", "bfloat16"),
+    ]
+    assert rows[0]["speedup"] == 1.0 and rows[1]["speedup"] > 0
+
+
 def test_gpu_step_benchmark_smoke_on_the_cpu(tmp_path):
     """The GPU script's own code on the CPU (tiny model, no graphs): its token-identity check
     against transformers passes and every timing section reports."""
