@@ -241,7 +241,8 @@ def test_gpu_pool(rendered):
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
     args = c["args"]
-    assert flag_values(args, "--dtype") == ["bfloat16"]
+    assert flag_values(args, "--dtype") == ["auto"]  # the checkpoint's on a GPU
+    assert flag_values(args, "--kv-cache-dtype") == ["auto"]
     assert flag_values(args, "--gpu-memory-utilization") == ["0.9"]
     assert flag_values(args, "--max-model-len") == ["8192"]
     assert args[-2:] == ["--block-size", "16"]
