@@ -21,28 +21,14 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from common.wire.metric_buckets import STEP_REQUEST_BUCKETS, STEP_SECONDS_BUCKETS
+
 if TYPE_CHECKING:
     from common.wire.step_types import StepInput
 
-_STEP_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.02,
-    0.03,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-)
+_STEP_BUCKETS = STEP_SECONDS_BUCKETS
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-_REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_REQUEST_BUCKETS = STEP_REQUEST_BUCKETS
 _LABELS = ["accelerator", "device"]
 disable_created_metrics()  # no `_created` series
 _lock = threading.Lock()

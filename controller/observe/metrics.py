@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 
+from common.wire.metric_buckets import STEP_REQUEST_BUCKETS, STEP_SECONDS_BUCKETS
+
 if TYPE_CHECKING:
     from controller.core.scheduler_base import SchedulerStats
 
@@ -48,25 +50,9 @@ _LATENCY_BUCKETS = (
     80.0,
     160.0,
 )
-_STEP_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.02,
-    0.03,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-)
+_STEP_BUCKETS = STEP_SECONDS_BUCKETS
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
-_REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_REQUEST_BUCKETS = STEP_REQUEST_BUCKETS
 FINISH_REASONS = ("stop", "length", "abort", "error")
 NO_EXECUTOR = "none"  # executor/accelerator label of events that happened on no executor
 _EXEC = ["model_name", "executor", "accelerator"]
