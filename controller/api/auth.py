@@ -83,14 +83,33 @@ def direct_loopback(scope) -> bool:
     return not any(name in _PROXY_HEADERS for name, _ in scope.get("headers", ()))
 
 
-def _unauthorized(message: str) -> APIError:
-    return APIError(
-        message,
-        401,
-        code="invalid_api_key",
-        err_type="invalid_request_error",
-        headers={"WWW-Authenticate": "Bearer"},
-    )
+_NO_API_KEY = (
+    "You didn't provide an API key. Provide it in the Authorization header as 'Bearer YOUR_KEY'."
+)
+_NO_ADMIN_KEY = "Admin routes need an admin key in the Authorization header as 'Bearer ADMIN_KEY'."
+
+
+def _key_error(checker: KeyChecker, scope, missing: str, wrong: str) -> APIError | None:
+    """401 (with `missing` or `wrong` as its message) unless the request presents one of the
+    checker's keys as its Bearer token; None when it does."""
+    token = bearer_token(scope.get("headers", []))
+    if token is None or not checker.valid(token):
+        return APIError(
+            missing if token is None else wrong,
+            401,
+            code="invalid_api_key",
+            err_type="invalid_request_error",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return None
+
+
+async def _pass_or_refuse(app, err: APIError | None, scope, receive, send) -> None:
+    """Hand the request to `app`, or answer `err` instead."""
+    if err is None:
+        await app(scope, receive, send)
+    else:
+        await error_response(err)(scope, receive, send)
 
 
 class APIKeyAuth:
@@ -110,18 +129,8 @@ class APIKeyAuth:
         ):
             await self.app(scope, receive, send)
             return
-        token = bearer_token(scope.get("headers", []))
-        if token is None:
-            err = _unauthorized(
-                "You didn't provide an API key. Provide it in the "
-                "Authorization header as 'Bearer YOUR_KEY'."
-            )
-        elif not self.checker.valid(token):
-            err = _unauthorized("Incorrect API key provided.")
-        else:
-            await self.app(scope, receive, send)
-            return
-        await error_response(err)(scope, receive, send)
+        err = _key_error(self.checker, scope, _NO_API_KEY, "Incorrect API key provided.")
+        await _pass_or_refuse(self.app, err, scope, receive, send)
 
 
 def _forbidden() -> APIError:
@@ -148,17 +157,5 @@ class AdminAuth:
         if not self.checker:
             err = None if direct_loopback(scope) else _forbidden()
         else:
-            token = bearer_token(scope.get("headers", []))
-            if token is None:
-                err = _unauthorized(
-                    "Admin routes need an admin key in the Authorization header as "
-                    "'Bearer ADMIN_KEY'."
-                )
-            elif not self.checker.valid(token):
-                err = _unauthorized("Incorrect admin key provided.")
-            else:
-                err = None
-        if err is None:
-            await self.app(scope, receive, send)
-        else:
-            await error_response(err)(scope, receive, send)
+            err = _key_error(self.checker, scope, _NO_ADMIN_KEY, "Incorrect admin key provided.")
+        await _pass_or_refuse(self.app, err, scope, receive, send)
