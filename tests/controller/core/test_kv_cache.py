@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from common.wire.step_types import SamplingParams
+from controller.core.block_pool import BlockPool
 from controller.core.kv_cache import (
     ROOT_HASH,
-    BlockPool,
     KVCacheManager,
     hash_block_tokens,
     hash_token_blocks,
