@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from controller.api.errors import APIError, error_response
+from controller.api.errors import APIError, error_body, error_response
 
 # Why the server closed a connection early (the label of tandem:http_connections_closed_total).
 CLOSE_REASONS = ("over_limit", "header_timeout", "header_too_large", "body_timeout")
@@ -52,35 +52,43 @@ class HTTPStats:
     closed: Counter = field(default_factory=Counter)  # early closes by reason (CLOSE_REASONS)
 
 
-def raw_error(status: int, message: str, code: str, headers: dict[str, str] | None = None):
-    """A whole HTTP/1.1 error response in OpenAI's error shape, closing the connection: for
-    answers given below the ASGI app (no request object exists yet)."""
-    err_type = "server_error" if status >= 500 else "invalid_request_error"
-    body = json.dumps(
-        {"error": {"message": message, "type": err_type, "param": None, "code": code}}
-    ).encode()
+def raw_error(err: APIError) -> bytes:
+    """A whole HTTP/1.1 response for `err` (OpenAI's error shape, `error_body`), closing the
+    connection: for answers given below the ASGI app (no request object exists yet)."""
+    body = json.dumps({"error": error_body(err)}).encode()
+    headers = {
+        "content-type": "application/json",
+        "content-length": str(len(body)),
+        "connection": "close",
+        **err.headers,
+    }
     lines = [
-        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
-        "content-type: application/json",
-        f"content-length: {len(body)}",
-        "connection: close",
-        *(f"{k}: {v}" for k, v in (headers or {}).items()),
+        f"HTTP/1.1 {err.status} {HTTPStatus(err.status).phrase}",
+        *(f"{k}: {v}" for k, v in headers.items()),
     ]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + body
 
 
 _OVER_LIMIT = raw_error(
-    503, "The server has too many open connections; retry later.", "too_many_connections",
-    {"retry-after": "1"},
-)  # fmt: skip
+    APIError(
+        "The server has too many open connections; retry later.",
+        503,
+        code="too_many_connections",
+        headers={"retry-after": "1"},
+    )
+)
 _HEAD_TIMEOUT = raw_error(
-    408, "The request line and headers did not arrive in time.", "request_timeout"
+    APIError("The request line and headers did not arrive in time.", 408, code="request_timeout")
 )
 
 
-def _head_too_large(limit: int) -> bytes:
-    return raw_error(
-        431, f"The request line and headers are larger than {limit} bytes.", "headers_too_large"
+def _head_too_large(limit: int) -> APIError:
+    """431 for a request line plus headers over `limit` bytes (closing the connection)."""
+    return APIError(
+        f"The request line and headers are larger than {limit} bytes.",
+        431,
+        code="headers_too_large",
+        headers={"connection": "close"},
     )
 
 
@@ -134,7 +142,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         limit = self.limits.max_header_bytes
         if self._reading_head and limit and self._head_bytes > limit:
             # Still no end of headers after more than the limit: refuse before buffering more.
-            self._close_head("header_too_large", _head_too_large(limit))
+            self._close_head("header_too_large", raw_error(_head_too_large(limit)))
 
     def on_message_begin(self) -> None:
         self._in_message = True
@@ -153,7 +161,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # The whole head came in one read but is too large: answer through uvicorn's own
         # request cycle, so that the parser's state stays consistent.
         self.stats.closed["header_too_large"] += 1
-        app, self.app = self.app, _too_large_app(limit)
+        app, self.app = self.app, error_response(_head_too_large(limit))
         try:
             super().on_headers_complete()
         finally:
@@ -192,16 +200,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if response:
             self.transport.write(response)
         self.transport.close()
-
-
-def _too_large_app(limit: int):
-    err = APIError(
-        f"The request line and headers are larger than {limit} bytes.",
-        431,
-        code="headers_too_large",
-        headers={"connection": "close"},
-    )
-    return error_response(err)
 
 
 def guarded_protocol(limits: HTTPLimits, stats: HTTPStats) -> type[GuardedHttpToolsProtocol]:
