@@ -32,6 +32,7 @@ from controller.fleet.client import make_security
 from controller.fleet.discovery import Discovery
 from controller.fleet.fleet_model import FleetModel
 from controller.fleet.incarnations import Incarnations
+from controller.fleet.maintenance import Maintenance
 from controller.fleet.placement import (
     PlacementPolicy,
     PlacementQuery,
@@ -55,15 +56,14 @@ from controller.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-_MAINTAIN_PERIOD = 0.2  # seconds between passes over waiting and stuck requests
-
 
 class NoExecutorError(RuntimeError):
     """No healthy executor took the request in time."""
 
 
-class Engine:
-    """Routes requests to a changing fleet of executors and streams their outputs."""
+class Engine(Maintenance):
+    """Routes requests to a changing fleet of executors and streams their outputs (its
+    maintenance loop: `Maintenance`, maintenance.py)."""
 
     def __init__(self, config: ControllerConfig, tokenizer: Tokenizer):
         self.config = config  # controller configuration
@@ -250,8 +250,8 @@ class Engine:
         )
         if problem:  # it would fail the step it joins: it fails alone, before any executor
             self._fail_alone(tracked, problem)
-        elif not self._place_or_fail(tracked):
-            self._wait(tracked)
+        else:
+            self._place_or_wait(tracked)
         finished = False
         try:
             while not finished:
@@ -282,6 +282,12 @@ class Engine:
         except ValueError as exc:
             self._fail_alone(tracked, f"the request cannot run: {exc}")
             return True
+
+    def _place_or_wait(self, tracked: Tracked, exclude: str | None = None) -> None:
+        """Place a request (not on the executor at `exclude`), or fail it alone, or let it wait
+        for an executor."""
+        if not self._place_or_fail(tracked, exclude):
+            self._wait(tracked)
 
     def _place(
         self, tracked: Tracked, exclude: str | None = None, startable_only: bool = False
@@ -370,8 +376,7 @@ class Engine:
             tracked.num_moves += 1
             tracked.prompt_logprobs_skip = tracked.prompt_logprobs_sent
             tracked.lost_at = tracked.lost_at or now
-            if not self._place_or_fail(tracked, exclude=source):
-                self._wait(tracked)
+            self._place_or_wait(tracked, exclude=source)
         log.info(
             "failover from %s: %d requests moved, %d waiting for an executor",
             source,
@@ -379,8 +384,9 @@ class Engine:
             len(self.waiting),
         )
 
-    def _fail(self, tracked: Tracked, error: Exception) -> None:
-        tracked.queue.put_nowait(error)
+    def _fail_waiting(self, tracked: Tracked) -> None:
+        """A waiting request found no healthy executor in time: NoExecutorError (a 503)."""
+        tracked.queue.put_nowait(NoExecutorError(self.no_executor_message()))
         count_finished(self.metrics, "error", tracked)
 
     def _fail_alone(self, tracked: Tracked, error: str) -> None:
@@ -388,63 +394,3 @@ class Engine:
         log.warning("request %s failed: %s", tracked.gen.request_id, error, extra=tracked.log_extra)
         deliver(tracked, error_delta(tracked, error))
         count_finished(self.metrics, "error", tracked)
-
-    # --- maintenance: waiting requests and the affinity bound --------------------------
-
-    async def _maintain(self) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(self._kick.wait(), timeout=_MAINTAIN_PERIOD)
-            except TimeoutError:
-                pass
-            self._kick.clear()
-            try:
-                self._place_waiting()
-                self._rebalance()
-            except Exception:  # never let one bad pass stop the loop
-                log.exception("maintenance pass failed")
-
-    def _place_waiting(self) -> None:
-        if not self.waiting:
-            return
-        now = time.monotonic()
-        for rid, tracked in sorted(self.waiting.items(), key=lambda kv: kv[1].waiting_since):
-            placed = self._place_or_fail(tracked)
-            if placed:
-                del self.waiting[rid]
-            elif now - tracked.waiting_since >= self.config.no_executor_timeout:
-                del self.waiting[rid]
-                log.warning(
-                    "request %s failed: no healthy executor for %.0fs",
-                    rid,
-                    now - tracked.waiting_since,
-                    extra=tracked.log_extra,
-                )
-                self._fail(tracked, NoExecutorError(self.no_executor_message()))
-
-    def _rebalance(self) -> None:
-        """Move requests an executor has held unadmitted past the bound to one that can
-        start them now (so affinity, or a stale estimate, never holds a request back long),
-        and every unadmitted request off a draining executor."""
-        healthy = [s for s in self.sessions.values() if s.healthy]
-        for session in self.sessions.values():
-            if session.state is SessionState.DRAINING and healthy:
-                for tracked in session.stale_waiting(float("inf")):
-                    session.withdraw(tracked)
-                    self.metrics.rebalanced()
-                    if not self._place_or_fail(tracked):
-                        self._wait(tracked)
-        if len(healthy) < 2:
-            return
-        cutoff = time.monotonic() - self.config.affinity_max_wait
-        for session in healthy:
-            for tracked in session.stale_waiting(cutoff):
-                n = tracked.request.num_tokens if tracked.request else 0
-                if not any(o is not session and o.can_start_now(n) for o in healthy):
-                    break
-                session.withdraw(tracked)
-                tracked.num_moves += 1
-                self.metrics.rebalanced()
-                if not self._place_or_fail(tracked, session.address, startable_only=True):
-                    if not self._place_or_fail(tracked):
-                        self._wait(tracked)

@@ -23,7 +23,8 @@ Affinity: when another candidate holds a longer cached prefix, it wins instead i
 own expected latency there (prefill queued ahead of it, its uncached prefill, its decode at that
 executor's batch) exceeds its latency on the balance winner by at most `affinity_max_wait`
 seconds. The bound is enforced again after placement: a request that its executor has not
-admitted within `affinity_max_wait` moves to one that can start it at once (`Engine._rebalance`).
+admitted within `affinity_max_wait` moves to one that can start it at once
+(`Maintenance._rebalance`, maintenance.py).
 """
 
 from __future__ import annotations
