@@ -17,6 +17,8 @@ from controller.core.snapshot import ExecutorSnapshot
 from controller.fleet.client import ExecutorLost, HandshakeResult, StepNotSendable
 from controller.fleet.session import ExecutorSession
 from controller.fleet.tracked import Tracked
+from controller.observe.metrics import EngineMetrics
+from controller.settings import ControllerConfig
 from tests.controller.core.harness import FakeExecutor
 
 
@@ -146,6 +148,23 @@ class FakeOwner:
         assert self.session is not None
         self.moved.extend(moved)
         self.at_loss = self.session.snapshot()
+
+
+def fake_session(
+    owner: FakeOwner, client: FakeClient, max_num_seqs: int, source: str = "static"
+) -> ExecutorSession:
+    """A session at ADDRESS reporting to `owner` and talking to `client`, not started yet:
+    quick reconnects, and no health check before the test's end."""
+    config = ControllerConfig(
+        model="unused",
+        executors=[ADDRESS],
+        reconnect_backoff_min=0.01,
+        health_check_interval=3600.0,
+        max_num_seqs=max_num_seqs,
+    )
+    session = owner.session = ExecutorSession(owner, config, EngineMetrics("m"), ADDRESS, source)
+    session.client = session.health.client = client
+    return session
 
 
 class NoText:
