@@ -299,10 +299,10 @@ class ExecutorSession(StepLoop):
             if status == "UNREACHABLE":  # the health call itself failed
                 self.metrics.grpc_error(self.series, status)
             raise ExecutorLost(f"health: {status}")
-        await self._claim(await self.client.identify(cfg.health_check_timeout))
+        self._claim(await self.client.identify(cfg.health_check_timeout))
         hs = await handshake(self.client, cfg)
         if hs.info.incarnation_id:  # restarted since Identify: claim the new process
-            await self._claim(hs.info.incarnation_id)
+            self._claim(hs.info.incarnation_id)
         self.owner.check_compatible(self.address, hs.info)
         self._retire_scheduler()
         self.scheduler = new_scheduler(cfg, hs.info, hs.num_blocks)
@@ -332,7 +332,7 @@ class ExecutorSession(StepLoop):
         self._set_state(SessionState.DRAINING if self.leaving else SessionState.HEALTHY)
         self.owner.session_ready(self.address)
 
-    async def _claim(self, incarnation: str) -> None:
+    def _claim(self, incarnation: str) -> None:
         """Drive the executor process `incarnation` ("": it does not say), unless another
         session does: then wait as its duplicate (ExecutorLost, retried with backoff)."""
         holder = self.owner.claim_incarnation(self.address, incarnation) if incarnation else ""
