@@ -50,9 +50,7 @@ _LATENCY_BUCKETS = (
     80.0,
     160.0,
 )
-_STEP_BUCKETS = STEP_SECONDS_BUCKETS
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
-_REQUEST_BUCKETS = STEP_REQUEST_BUCKETS
 FINISH_REASONS = ("stop", "length", "abort", "error")
 NO_EXECUTOR = "none"  # executor/accelerator label of events that happened on no executor
 _EXEC = ["model_name", "executor", "accelerator"]
@@ -159,10 +157,10 @@ class EngineMetrics:
         self.step_seconds = histogram(
             "tandem:step_duration_seconds",
             "Step round trip as the controller sees it",
-            _STEP_BUCKETS,
+            STEP_SECONDS_BUCKETS,  # shared with the executors' step histograms
         )
         self.step_requests = histogram(
-            "tandem:step_requests", "Requests per step", _REQUEST_BUCKETS
+            "tandem:step_requests", "Requests per step", STEP_REQUEST_BUCKETS
         )
         self.executor_losses = counter("tandem:executor_lost", "Executor sessions lost")
         self.executor_reconnects = counter(
