@@ -10,9 +10,9 @@ CUDA device of compute capability 8.9 or newer and is refused elsewhere at start
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
+
+from common.wire.model_config import read_model_config
 
 #: What --dtype accepts.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -61,8 +61,7 @@ def checkpoint_dtype(model_dir: str) -> str:
     """The checkpoint's own dtype from its config.json (``torch_dtype``, or ``dtype`` as newer
     transformers write it); float32 when it names none or one Tandem does not compute in."""
     try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            cfg = json.load(f)
+        cfg = read_model_config(model_dir)
     except (OSError, ValueError):
         return "float32"
     raw = (
