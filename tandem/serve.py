@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from common.hub.settings import ModelSourceSettings
 from common.settings import TandemSettings, setting
 from common.settings.cli import load_settings
 from controller.settings import ControllerConfig
@@ -76,15 +77,13 @@ def executor_ports(settings: ServeSettings) -> dict[str, int]:
     return {module: settings.executor_port + i for i, module in enumerate(modules)}
 
 
-def model_source_args(config: ControllerConfig) -> list[str]:
-    """The flags that say where the model comes from, as every child gets them."""
-    args = ["--model", config.model]
-    for flag, value in (
-        ("--revision", config.revision),
-        ("--download-dir", config.download_dir),
-        ("--hf-token-file", config.hf_token_file),
-    ):
-        args += [flag, value] if value else []
+def model_source_args(config: ModelSourceSettings) -> list[str]:
+    """The flags that say where the model comes from (each ModelSourceSettings field that is
+    set: the children read the same settings), as every child gets them."""
+    args: list[str] = []
+    for name in ModelSourceSettings.model_fields:
+        value = getattr(config, name)
+        args += [f"--{name.replace('_', '-')}", value] if value else []
     return args
 
 

@@ -10,14 +10,17 @@ CUDA device of compute capability 8.9 or newer and is refused elsewhere at start
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-#: What --dtype accepts.
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+from common.wire.model_config import read_model_config
+
+#: What --dtype accepts (the setting's type: declared once, here).
+ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 #: What --kv-cache-dtype accepts ("fp8" is float8_e4m3fn).
-KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "fp8")
+KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16", "fp8"]
+DTYPE_CHOICES = get_args(ModelDtype)
+KV_CACHE_DTYPE_CHOICES = get_args(KVCacheDtype)
 #: Bytes of one element of each resolved dtype.
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 #: Device kinds the decisions distinguish (the executor_gpu on the CPU and XLA:CPU are "cpu").
@@ -61,8 +64,7 @@ def checkpoint_dtype(model_dir: str) -> str:
     """The checkpoint's own dtype from its config.json (``torch_dtype``, or ``dtype`` as newer
     transformers write it); float32 when it names none or one Tandem does not compute in."""
     try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            cfg = json.load(f)
+        cfg = read_model_config(model_dir)
     except (OSError, ValueError):
         return "float32"
     raw = (

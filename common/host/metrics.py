@@ -26,9 +26,7 @@ from common.wire.metric_buckets import STEP_REQUEST_BUCKETS, STEP_SECONDS_BUCKET
 if TYPE_CHECKING:
     from common.wire.step_types import StepInput
 
-_STEP_BUCKETS = STEP_SECONDS_BUCKETS
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-_REQUEST_BUCKETS = STEP_REQUEST_BUCKETS
 _LABELS = ["accelerator", "device"]
 disable_created_metrics()  # no `_created` series
 _lock = threading.Lock()
@@ -82,7 +80,7 @@ class ExecutorMetrics:
                     "tandem:executor_step_seconds",
                     "Time the executor spent on a step",
                     _LABELS,
-                    buckets=_STEP_BUCKETS,
+                    buckets=STEP_SECONDS_BUCKETS,
                 )
                 _families["tokens"] = Histogram(
                     "tandem:executor_step_tokens",
@@ -94,7 +92,7 @@ class ExecutorMetrics:
                     "tandem:executor_step_requests",
                     "Requests per step",
                     _LABELS,
-                    buckets=_REQUEST_BUCKETS,
+                    buckets=STEP_REQUEST_BUCKETS,
                 )
                 _memory = DeviceMemoryCollector()
                 REGISTRY.register(_memory)

@@ -116,9 +116,11 @@ class RequestTable:
             rid = cached.request_id
             state = requests.get(rid)
             bad = errors.get(rid) or ("unknown request" if state is None else "")
-            bad = bad or block_ids_problem(cached.new_block_ids, limits)
+            new_blocks = cached.new_block_ids
+            if new_blocks and not bad:  # most decode steps bring no block
+                bad = block_ids_problem(new_blocks, limits)
             if not bad:
-                blocks = len(state.block_ids) + len(cached.new_block_ids)
+                blocks = len(state.block_ids) + len(new_blocks)
                 bad = schedule_problem(
                     len(state.token_ids),
                     blocks,
@@ -130,6 +132,6 @@ class RequestTable:
                 errors[rid] = bad
                 requests.pop(rid, None)
                 continue
-            state.block_ids.extend(cached.new_block_ids)
+            state.block_ids.extend(new_blocks)
             runnable.append((state, cached.num_computed_tokens, cached.num_scheduled_tokens))
         return runnable, errors

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from common.host.dtypes import KVCacheDtype, ModelDtype
 from common.hub.settings import ModelSourceSettings
 from common.settings import SettingError, derived, setting
 
@@ -24,12 +25,12 @@ class ExecutorConfig(ModelSourceSettings):
         "", "name reported to the controller; '' = the model id or the directory's name"
     )
     # Precision (common/host/dtypes.py resolves "auto" against the checkpoint and device).
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
+    dtype: ModelDtype = setting(
         "auto",
         "weights and activations dtype; auto = the checkpoint's torch_dtype on CUDA / TPU, "
         "float32 on the CPU (float16: CUDA only)",
     )
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = setting(
+    kv_cache_dtype: KVCacheDtype = setting(
         "auto",
         "KV cache dtype; auto = --dtype's; fp8 (float8_e4m3fn) needs CUDA compute capability "
         ">= 8.9",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Container, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.wire.step_types import NewRequestData, SamplingParams, StepInput
 
@@ -36,11 +36,13 @@ class StepLimits:
     max_tokens_per_step: int = _NO_LIMIT  # most tokens in one step (InitDevice's)
     max_num_seqs: int = _NO_LIMIT  # most requests in one step (InitDevice's)
     max_logprobs: int = _NO_LIMIT  # most top logprobs per position
+    # The longest block table a request can need: derived once here, read for every request
+    # of every step.
+    max_blocks_per_request: int = field(init=False)
 
-    @property
-    def max_blocks_per_request(self) -> int:
-        """The longest block table a request can need."""
-        return -(-self.max_model_len // self.block_size)
+    def __post_init__(self) -> None:
+        blocks = -(-self.max_model_len // self.block_size)
+        object.__setattr__(self, "max_blocks_per_request", blocks)  # frozen: set once
 
 
 def _finite_in(value: float, low: float, high: float) -> bool:

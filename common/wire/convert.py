@@ -106,44 +106,32 @@ def _wire_error(exc: Exception) -> str:
 CONVERSION_ERRORS = (ValueError, TypeError, OverflowError)
 
 
-def new_request_wire_problem(r: NewRequestData) -> str:
-    """Why a new request cannot be put in a StepRequest ("" when it can): a value its field
-    cannot carry (a seed outside int64, a token id outside int32, a string that is not UTF-8)."""
+def _wire_problem(step: StepInput) -> str:
+    """Why ``step`` (one request) cannot be put in a StepRequest ("" when it can): the same
+    conversion ``step_to_pb`` makes, so the check cannot drift from what is sent."""
     try:
-        pb.NewRequest(
-            request_id=r.request_id,
-            prompt_token_ids=r.prompt_token_ids,
-            output_token_ids=r.output_token_ids,
-            sampling=sampling_to_pb(r.sampling),
-            block_ids=r.block_ids,
-            num_computed_tokens=r.num_computed_tokens,
-            num_scheduled_tokens=r.num_scheduled_tokens,
-        )
+        step_to_pb(step)
     except CONVERSION_ERRORS as exc:
         return f"the request cannot be sent to an executor ({_wire_error(exc)})"
     return ""
 
 
+def new_request_wire_problem(r: NewRequestData) -> str:
+    """Why a new request cannot be put in a StepRequest ("" when it can): a value its field
+    cannot carry (a seed outside int64, a token id outside int32, a string that is not UTF-8)."""
+    return _wire_problem(StepInput(0, new_requests=[r]))
+
+
 def step_wire_problems(step: StepInput) -> dict[str, str]:
     """The requests of a step that cannot be put in a StepRequest, by id, with why (the step
     converts once they are left out; ``step_to_pb`` raised for it)."""
+    singles = [(r.request_id, StepInput(0, new_requests=[r])) for r in step.new_requests]
+    singles += [(c.request_id, StepInput(0, cached_requests=[c])) for c in step.cached_requests]
     problems = {}
-    for r in step.new_requests:
-        problem = new_request_wire_problem(r)
+    for rid, single in singles:
+        problem = _wire_problem(single)
         if problem:
-            problems[r.request_id] = problem
-    for c in step.cached_requests:
-        try:
-            pb.CachedRequest(
-                request_id=c.request_id,
-                new_block_ids=c.new_block_ids,
-                num_computed_tokens=c.num_computed_tokens,
-                num_scheduled_tokens=c.num_scheduled_tokens,
-            )
-        except CONVERSION_ERRORS as exc:
-            problems[c.request_id] = (
-                f"the request cannot be sent to an executor ({_wire_error(exc)})"
-            )
+            problems[rid] = problem
     return problems
 
 
