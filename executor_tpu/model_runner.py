@@ -32,7 +32,6 @@ from common.torch.input_batch import ScheduledRow
 from common.torch.runner import RowResults, TorchModelRunner, prompt_logprob_count
 from common.torch.sampling import seed_key
 from common.wire.config import Capabilities, KVCacheSpec, ModelGeometry
-from common.wire.step_types import SamplingParams
 from executor_tpu.attention import (
     StaticAttentionMetadata,
     kernel_layout,
@@ -56,16 +55,10 @@ from executor_tpu.static_batch import (
     pick_bucket,
     plan_buckets,
 )
+from executor_tpu.warmup import FabricatedRun, warmup_runs
 
 log = logging.getLogger(__name__)
 
-#: Sampling parameters whose rows select each sampling variant during warm-up.
-_VARIANT_PARAMS = {
-    "greedy": SamplingParams(),
-    "topk": SamplingParams(temperature=1.0, top_k=5, logprobs=1),
-    "sort": SamplingParams(temperature=1.0, top_p=0.9),
-}
-_ADJUST = dict(presence_penalty=0.1, repetition_penalty=1.1, min_tokens=1, stop_token_ids=[0])
 #: Mixed into the executor seed for the noise keys of unseeded rows.
 _UNSEEDED_SALT = 0x5DEECE66D
 
@@ -305,87 +298,50 @@ class TPUModelRunner(TorchModelRunner):
 
     # --- warm-up and profiling ------------------------------------------------------------
 
-    def _run_fabricated(
-        self,
-        num_tokens: int,
-        token_bucket: int,
-        request_bucket: int,
-        variant: SampleVariant,
-        prompt_logprobs: bool,
-    ) -> None:
-        """One fabricated row (null blocks only) padded to the given shapes."""
-        params = _VARIANT_PARAMS[variant.kind]
-        if variant.adjust:
-            params = SamplingParams(**{**params.__dict__, **_ADJUST})
-        tokens = max(1, min(num_tokens, token_bucket, self.max_blocks * self.config.block_size - 1))
-        rows = self.dummy_rows(tokens, 1, 0, params)
+    def _run_fabricated(self, run: FabricatedRun) -> None:
+        """One fabricated row (null blocks only) padded to the run's shapes."""
+        cap = self.max_blocks * self.config.block_size - 1
+        tokens = max(1, min(run.num_tokens, run.token_bucket, cap))
+        rows = self.dummy_rows(tokens, 1, 0, run.sampling_params())
         step = build_static_step(
-            rows, token_bucket, request_bucket, self.max_blocks, self.config.block_size
+            rows, run.token_bucket, run.request_bucket, self.max_blocks, self.config.block_size
         )
-        sampling = self._sampling_inputs(rows, request_bucket, variant)
-        self._execute(step, sampling, prompt_logprobs)
+        sampling = self._sampling_inputs(rows, run.request_bucket, run.variant)
+        self._execute(step, sampling, run.prompt_logprobs)
 
     def dummy_run(self, num_tokens: int, num_reqs: int) -> None:
         """A greedy step of fabricated tokens padded like a real one of that size."""
         plan = self.plan
+        t, r = (
+            pick_bucket(num_tokens, plan.token_buckets),
+            pick_bucket(num_reqs, plan.request_buckets),
+        )
         with torch.no_grad():
-            self._run_fabricated(
-                num_tokens,
-                pick_bucket(num_tokens, plan.token_buckets),
-                pick_bucket(num_reqs, plan.request_buckets),
-                VARIANTS[0],
-                False,
-            )
+            self._run_fabricated(FabricatedRun(num_tokens, t, r, VARIANTS[0], False))
 
     def capture_model(self) -> int:
-        """Compile every forward shape, sampling variant and prompt-logprob shape; returns the
-        XLA programs compiled."""
+        """Compile every forward shape, sampling variant and prompt-logprob shape (see
+        executor_tpu.warmup); returns the XLA programs compiled."""
         plan = self.plan
-        pairs = plan.pairs()
-        total = len(pairs) + len(plan.request_buckets) * (len(VARIANTS) - 1)
+        runs = warmup_runs(plan)
         log.info(
             "warm-up: %d runs: forward for %d shapes (tokens %s x requests %s) with "
             "prompt logprobs per token bucket, then %d sampling variants per request "
             "bucket",
-            total,
-            len(pairs),
+            len(runs),
+            len(plan.pairs()),
             plan.token_buckets,
             plan.request_buckets,
             len(VARIANTS),
         )
         self.compile_watch.start_warmup()
         started = time.perf_counter()
-        done = 0
         with torch.no_grad():
-            seen_tokens: set[int] = set()
-            for t, r in pairs:
+            for done, run in enumerate(runs, 1):
                 t0 = time.perf_counter()
-                self._run_fabricated(t, t, r, VARIANTS[0], t not in seen_tokens)
-                seen_tokens.add(t)
-                done += 1
-                log.info(
-                    "warm-up %d/%d: forward %d tokens x %d requests (%.1fs)",
-                    done,
-                    total,
-                    t,
-                    r,
-                    time.perf_counter() - t0,
-                )
-            for r in plan.request_buckets:
-                t = min(tt for tt, rr in pairs if rr == r)
-                for variant in VARIANTS[1:]:
-                    t0 = time.perf_counter()
-                    self._run_fabricated(1, t, r, variant, False)
-                    done += 1
-                    log.info(
-                        "warm-up %d/%d: sampling %s%s x %d requests (%.1fs)",
-                        done,
-                        total,
-                        variant.kind,
-                        " + penalties" if variant.adjust else "",
-                        r,
-                        time.perf_counter() - t0,
-                    )
+                self._run_fabricated(run)
+                elapsed = time.perf_counter() - t0
+                log.info("warm-up %d/%d: %s (%.1fs)", done, len(runs), run.label, elapsed)
         seconds = time.perf_counter() - started
         compiled = self.compile_watch.end_warmup(seconds)
         self._unseeded_draws = 0
@@ -406,14 +362,12 @@ class TPUModelRunner(TorchModelRunner):
         saved, saved_blocks = self.kv_caches, self.num_blocks
         self.initialize_kv_cache(self.max_blocks + 1)
         try:
+            largest = plan.token_buckets[-1]
+            run = FabricatedRun(
+                largest, largest, plan.request_buckets[-1], SampleVariant("sort", True), True
+            )
             with torch.no_grad():
-                self._run_fabricated(
-                    plan.token_buckets[-1],
-                    plan.token_buckets[-1],
-                    plan.request_buckets[-1],
-                    SampleVariant("sort", True),
-                    True,
-                )
+                self._run_fabricated(run)
             info = xm.get_memory_info(self.device)
             peak = int(info.get("peak_bytes_used", info.get("bytes_used", 0)))
         finally:

@@ -99,29 +99,22 @@ def attend(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    mask: torch.Tensor | None,
+    mask: torch.Tensor,
     scale: float,
     softcap: float,
-    is_causal: bool = False,
 ) -> torch.Tensor:
     """Scaled dot-product attention (q [B, H, n, d], keys / values [B, KVH, L, d], additive
     mask broadcastable to [B, H, n, L]); with ``softcap``, scores are capped before the mask
     (SDPA has no such option, so that case is computed step by step)."""
     if softcap <= 0:
         return F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
+            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )
     group = q.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(group, dim=1) if group > 1 else keys
     values = values.repeat_interleave(group, dim=1) if group > 1 else values
     scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    if is_causal:
-        n, length = scores.shape[-2:]
-        causal = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
-        scores = scores.masked_fill(~causal, float("-inf"))
-    elif mask is not None:
-        scores = scores + mask.float()
+    scores = torch.tanh(scores / softcap) * softcap + mask.float()
     return torch.matmul(scores.softmax(dim=-1), values.float()).to(q.dtype)
 
 
@@ -179,15 +172,16 @@ def _prefill_attention(
     seq_len = meta.seq_lens_host[req]
     num_cached = seq_len - n
     q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
-    if (kv_cache is None or num_cached == 0) and (window <= 0 or window >= n):
-        # The context is exactly the new tokens and no window cuts it: no need to read the
-        # cache back, nor to build a mask.
-        keys = key.transpose(0, 1).unsqueeze(0).to(q.dtype)
-        values = value.transpose(0, 1).unsqueeze(0).to(q.dtype)
-        return attend(q, keys, values, None, scale, softcap, is_causal=True)[0].transpose(0, 1)
     if kv_cache is None or num_cached == 0:
+        # The context is exactly the new tokens: no need to read the cache back, nor (where
+        # neither a window nor a soft-cap applies) to build a mask.
         keys = key.transpose(0, 1).unsqueeze(0).to(q.dtype)
         values = value.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        if softcap <= 0 and (window <= 0 or window >= n):
+            out = F.scaled_dot_product_attention(
+                q, keys, values, is_causal=True, scale=scale, enable_gqa=True
+            )
+            return out[0].transpose(0, 1)
     else:
         bs = meta.block_size
         num_ctx_blocks = (seq_len + bs - 1) // bs
@@ -195,7 +189,7 @@ def _prefill_attention(
         keys = ctx[0, :seq_len].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, kvh, L, d]
         values = ctx[1, :seq_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
     mask_key = ("prefill", req, q.dtype, window)
-    if mask_key not in meta.derived:
+    if mask_key not in meta.derived:  # built once per step, shared by the layers
         # Query i sits at position num_cached + i and sees keys 0..num_cached + i (the last
         # ``window`` of them with a window).
         query_pos = torch.arange(num_cached, seq_len, device=q.device)[:, None]

@@ -34,7 +34,6 @@ from common.torch.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
-    norm_heads,
 )
 from common.torch.models.rope import RotaryEmbedding
 from common.wire.model_config import layer_windows
@@ -124,18 +123,9 @@ class GemmaAttention(LlamaAttention):
         self.scale = args.query_scale
         self.softcap = args.attn_softcap
         self.local = args.local_layers[index]  # rotated with the local RoPE table
-        self.qk_norm = args.qk_norm
         if args.qk_norm:
             self.q_norm = GemmaRMSNorm(args.head_dim, args.rms_norm_eps, dtype)
             self.k_norm = GemmaRMSNorm(args.head_dim, args.rms_norm_eps, dtype)
-
-    def qk_heads(self, qkv: torch.Tensor) -> torch.Tensor:
-        """Query then key heads, normalized per head in Gemma 3."""
-        if not self.qk_norm:
-            return qkv
-        q = norm_heads(self.q_norm, qkv[:, : self.num_heads])
-        k = norm_heads(self.k_norm, qkv[:, self.num_heads : self.num_heads + self.num_kv_heads])
-        return torch.cat([q, k], dim=1)
 
 
 class GemmaMLP(LlamaMLP):

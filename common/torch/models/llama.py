@@ -12,7 +12,7 @@ separate tensors. Sliding-window layers (Mistral's ``sliding_window``; Qwen2 wit
 fell out of it.
 
 A family that differs only in parts subclasses the pieces: the model class names its
-``args_class`` and ``layer_class``; an attention class may override ``qk_heads`` (e.g. per-head
+``args_class`` and ``layer_class``; an attention class may set ``q_norm`` / ``k_norm`` (per-head
 norms of the queries and keys before the rotation).
 """
 
@@ -183,6 +183,10 @@ class LlamaAttention(nn.Module):
         self.scale = args.head_dim**-0.5
         self.window = args.windows[index]  # sliding window (0 = the whole context)
         self.softcap = 0.0  # attention logit soft-capping (0 = none)
+        # Per-head norms of the queries and of the keys before the rotation (set by the
+        # families that have them: Qwen3, Gemma 3); None = none.
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
         self.kv_cache: torch.Tensor | None = None  # bound by LlamaForCausalLM.bind_kv_cache
         self.backend: AttentionBackend = get_attention_backend("torch")
         self.ops: LayerOps = TORCH_LAYER_OPS
@@ -201,9 +205,14 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
     def qk_heads(self, qkv: torch.Tensor) -> torch.Tensor:
-        """The heads to rotate, queries then keys, from the projection [T, q + 2 kv heads, d]
-        (here the projection itself: the rotation takes its leading heads)."""
-        return qkv
+        """The heads to rotate, queries then keys, from the projection [T, q + 2 kv heads, d]:
+        the projection itself (the rotation takes its leading heads), or the normalized query
+        and key heads [T, q + kv heads, d] where the layer has per-head norms."""
+        if self.q_norm is None or self.k_norm is None:
+            return qkv
+        q = norm_heads(self.q_norm, qkv[:, : self.num_heads])
+        k = norm_heads(self.k_norm, qkv[:, self.num_heads : self.num_heads + self.num_kv_heads])
+        return torch.cat([q, k], dim=1)
 
 
 class LlamaMLP(nn.Module):

@@ -15,7 +15,6 @@ from common.torch.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
     RMSNorm,
-    norm_heads,
 )
 
 
@@ -26,12 +25,6 @@ class Qwen3Attention(LlamaAttention):
         super().__init__(args, dtype, index)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, dtype)
-
-    def qk_heads(self, qkv: torch.Tensor) -> torch.Tensor:
-        """Normalized query heads then key heads, [T, q + kv heads, d]."""
-        q = norm_heads(self.q_norm, qkv[:, : self.num_heads])
-        k = norm_heads(self.k_norm, qkv[:, self.num_heads : self.num_heads + self.num_kv_heads])
-        return torch.cat([q, k], dim=1)
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
