@@ -17,6 +17,8 @@ from controller.core.snapshot import ExecutorSnapshot
 from controller.fleet.client import ExecutorLost, HandshakeResult, StepNotSendable
 from controller.fleet.session import ExecutorSession
 from controller.fleet.tracked import Tracked
+from controller.observe.metrics import EngineMetrics
+from controller.settings import ControllerConfig
 from tests.controller.core.harness import FakeExecutor
 
 
@@ -155,6 +157,25 @@ class NoText:
 
     def update(self, token_ids: list[int], finished: bool) -> tuple[str, bool]:
         return "", False
+
+
+def fake_session(
+    client: FakeClient, max_num_seqs: int, source: str = "static"
+) -> tuple[ExecutorSession, FakeOwner]:
+    """A session (not started) over ``client`` with a recording owner: fast reconnects, no
+    health checks in a test's time."""
+    owner = FakeOwner()
+    config = ControllerConfig(
+        model="unused",
+        executors=[ADDRESS],
+        reconnect_backoff_min=0.01,
+        health_check_interval=3600.0,
+        max_num_seqs=max_num_seqs,
+    )
+    session = ExecutorSession(owner, config, EngineMetrics("m"), ADDRESS, source)
+    owner.session = session
+    session.client = session.health.client = client
+    return session, owner
 
 
 def tracked_request(

@@ -12,31 +12,20 @@ from common.wire.step_types import SamplingParams
 from controller.core.outputs import OutputDelta
 from controller.fleet.session import ExecutorSession
 from controller.fleet.tracked import Tracked
-from controller.observe.metrics import EngineMetrics
-from controller.settings import ControllerConfig
 from tests.controller.core.harness import expected_output
 from tests.controller.fleet.fakes import (
-    ADDRESS,
     FakeClient,
     FakeOwner,
     LenientExecutor,
+    fake_session,
     tracked_request,
     until,
 )
 
 
 async def _start() -> tuple[ExecutorSession, FakeClient, FakeOwner]:
-    owner = FakeOwner()
-    config = ControllerConfig(
-        model="unused",
-        executors=[ADDRESS],
-        reconnect_backoff_min=0.01,
-        health_check_interval=3600.0,
-        max_num_seqs=8,
-    )
-    session = owner.session = ExecutorSession(owner, config, EngineMetrics("m"), ADDRESS)
     client = FakeClient(LenientExecutor)
-    session.client = session.health.client = client
+    session, owner = fake_session(client, max_num_seqs=8)
     session.start()
     await until(lambda: session.healthy, "the handshake")
     return session, client, owner

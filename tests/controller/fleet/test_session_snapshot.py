@@ -7,25 +7,13 @@ import asyncio
 
 import pytest
 
-from controller.fleet.session import ExecutorSession
-from controller.observe.metrics import EngineMetrics
-from controller.settings import ControllerConfig
-from tests.controller.fleet.fakes import ADDRESS, FakeClient, FakeOwner, tracked_request, until
+from tests.controller.fleet.fakes import ADDRESS, FakeClient, fake_session, tracked_request, until
 
 
 def test_snapshot_follows_the_session_through_placement_steps_and_a_loss():
     async def main() -> None:
-        owner = FakeOwner()
-        config = ControllerConfig(
-            model="unused",
-            executors=[ADDRESS],
-            reconnect_backoff_min=0.01,
-            health_check_interval=3600.0,
-            max_num_seqs=4,
-        )
-        session = owner.session = ExecutorSession(owner, config, EngineMetrics("m"), ADDRESS, "dns")
         client = FakeClient()
-        session.client = session.health.client = client
+        session, owner = fake_session(client, max_num_seqs=4, source="dns")
 
         fresh = session.snapshot()
         assert (fresh.address, fresh.source, fresh.state) == (ADDRESS, "dns", "connecting")
