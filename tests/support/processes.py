@@ -283,6 +283,30 @@ class PeakRSS:
         self._thread.join()
 
 
+def write_executor_file(path: str, addresses: list[str]) -> None:
+    """Write an --executor-file listing whole (renamed into place): the controller rereads it
+    at any moment and must never see half of it."""
+    with open(path + ".tmp", "w") as f:
+        f.write("".join(a + "\n" for a in addresses))
+    os.replace(path + ".tmp", path)
+
+
+def grpc_health(address: str, timeout: float = 2.0) -> str:
+    """The grpc.health.v1 status of the server at ``address`` ("SERVING", "NOT_SERVING", ...),
+    or "GONE" when nothing answers."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout
+            )
+    except grpc.RpcError:
+        return "GONE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
+
+
 def read_ports_files(files: list[str], timeout: float, logs: str = "") -> list[int]:
     """The ports that ``executor_sim --ports-file`` processes wrote, once every file exists
     (each is written whole, once all of its process's executors serve), in file order."""
