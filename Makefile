@@ -95,9 +95,9 @@ chart-deps:
 	bash tests/deploy/helm_render/install_deps.sh
 
 # Render charts/tandem for its ci/ values files, validate every object against the Kubernetes
-# schemas, and check the Dockerfiles.
+# schemas, check its model sources and secure defaults, and check the Dockerfiles.
 chart-test: deps chart-deps
-	$(PY) -m pytest -q -ra tests/deploy/test_chart.py tests/deploy/test_images.py $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra tests/deploy $(PYTEST_ARGS)
 
 # The three images, tagged as the chart's values expect: $(IMAGE_REGISTRY)tandem/<image>:$(IMAGE_TAG).
 images: $(addprefix image-,$(IMAGES))

@@ -18,13 +18,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
-import threading
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.e2e.helpers import metric_sum  # noqa: E402
+from tests.support.processes import PeakRSS  # noqa: E402
 
 INT64_MAX = 2**63 - 1
 GREEDY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
@@ -43,52 +49,17 @@ class CaseResult:
     note: str  # what else was seen
 
 
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as handle:
-        for line in handle:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def open_fds(pid: int) -> int:
-    import os
-
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-class PeakRSS:
-    """Samples the controller's RSS every 50 ms in a thread while the case runs."""
-
-    def __init__(self, pid: int):
-        self.pid, self.base = pid, rss_mib(pid)
-        self.peak = self.base
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            try:
-                self.peak = max(self.peak, rss_mib(self.pid))
-            except OSError:
-                return
-
-    def __enter__(self) -> PeakRSS:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+def metric(url: str, name: str) -> float:
+    """A metric of the server's /metrics, summed over its labels."""
+    return metric_sum(httpx.get(url + "/metrics", timeout=30).text, name)
 
 
 def losses(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("tandem:executor_lost_total"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric(url, "tandem:executor_lost_total")
 
 
 def greedy_text(url: str, model: str) -> str:
@@ -173,16 +144,11 @@ def make_stall_case(seconds: float) -> Callable[[str, str, float], tuple[str, st
         )
         sock.recv(1024)
         time.sleep(seconds)
-        running = _gauge(url, "vllm:num_requests_running")
+        running = metric(url, "vllm:num_requests_running")
         sock.close()
         return "stream", f"requests running after {seconds:.0f}s unread: {running:.0f}"
 
     return case_stall
-
-
-def _gauge(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 def make_idle_case(count: int, seconds: float, pid: int) -> Callable[[str, str, float], tuple]:
@@ -218,7 +184,7 @@ def run_case(name: str, fn, url: str, model: str, pid: int, timeout: float) -> C
     lost_before = losses(url)
     reference = greedy_text(url, model)
     started = time.monotonic()
-    with PeakRSS(pid) as rss:
+    with PeakRSS(pid, interval=0.05) as rss:
         status, note = fn(url, model, timeout)
         seconds = time.monotonic() - started
         time.sleep(1.0)

@@ -62,49 +62,41 @@ GENERATED_SECRETS = {
 GPU_DNS = "tandem-gpu-executor.llm.svc.cluster.local:50051"
 TPU_DNS = "tandem-tpu-executor.llm.svc.cluster.local:50051"
 
+
+def _pool(name: str) -> set[tuple[str, str]]:
+    """The objects of one executor pool."""
+    kinds = ("StatefulSet", "Service", "PodDisruptionBudget", "NetworkPolicy")
+    return {(kind, name) for kind in kinds}
+
+
+# values.yaml alone: the controller and a GPU pool, nothing optional.
+DEFAULT_OBJECTS = {
+    ("ServiceAccount", "tandem"),
+    ("Deployment", CTRL),
+    ("Service", CTRL),
+    ("ConfigMap", "tandem-dashboards"),
+    *_pool(GPU),
+    *GENERATED_SECRETS,
+}
+_CORE = DEFAULT_OBJECTS - _pool(GPU) - GENERATED_SECRETS  # every values file renders these
 EXPECTED_OBJECTS = {
     "gpu-values.yaml": {
-        ("ServiceAccount", "tandem"),
-        ("Deployment", CTRL),
-        ("Service", CTRL),
-        ("StatefulSet", GPU),
-        ("Service", GPU),
-        ("PodDisruptionBudget", GPU),
-        ("NetworkPolicy", GPU),
+        *DEFAULT_OBJECTS,
         ("ServiceMonitor", CTRL),
-        ("ConfigMap", "tandem-dashboards"),
         ("PodMonitor", "tandem-executors"),
-        *GENERATED_SECRETS,
     },
     "tpu-values.yaml": {
-        ("ServiceAccount", "tandem"),
-        ("Deployment", CTRL),
-        ("Service", CTRL),
-        ("StatefulSet", TPU),
-        ("Service", TPU),
-        ("PodDisruptionBudget", TPU),
-        ("NetworkPolicy", TPU),
+        *_CORE,
+        *_pool(TPU),
         ("ScaledObject", TPU),
-        ("ConfigMap", "tandem-dashboards"),
         *(GENERATED_SECRETS - {("Secret", "tandem-admin-keys")}),  # its own admin Secret
     },
     "mixed-values.yaml": {
-        ("ServiceAccount", "tandem"),
-        ("Deployment", CTRL),
-        ("Service", CTRL),
-        ("StatefulSet", GPU),
-        ("Service", GPU),
-        ("PodDisruptionBudget", GPU),
-        ("NetworkPolicy", GPU),
+        *DEFAULT_OBJECTS,
         ("HorizontalPodAutoscaler", GPU),
-        ("StatefulSet", TPU),
-        ("Service", TPU),
-        ("PodDisruptionBudget", TPU),
-        ("NetworkPolicy", TPU),
+        *_pool(TPU),
         ("PodMonitor", CTRL),
-        ("ConfigMap", "tandem-dashboards"),
         ("PodMonitor", "tandem-executors"),
-        *GENERATED_SECRETS,
     },
 }
 VALUES_FILES = sorted(EXPECTED_OBJECTS)
@@ -453,17 +445,7 @@ def test_chart_defaults_with_a_model_claim(renderer, tmp_path):
     """values.yaml with a model directory on a claim: a GPU pool, nothing optional."""
     claim = {"model": {"source": "pvc", "pvc": {"claimName": "models"}}}
     m = renderer.render(None, claim, tmp_path=tmp_path)
-    assert m.kinds_names() == {
-        ("ServiceAccount", "tandem"),
-        ("Deployment", CTRL),
-        ("Service", CTRL),
-        ("StatefulSet", GPU),
-        ("Service", GPU),
-        ("PodDisruptionBudget", GPU),
-        ("NetworkPolicy", GPU),
-        ("ConfigMap", "tandem-dashboards"),
-        *GENERATED_SECRETS,
-    }
+    assert m.kinds_names() == DEFAULT_OBJECTS
     for doc in m.docs:
         validate_k8s(doc)
     sts = m.get("StatefulSet", GPU)

@@ -13,7 +13,7 @@ from tests.deploy.chart_render import (
     validate_k8s,
     volume,
 )
-from tests.deploy.test_chart import CTRL, GENERATED_SECRETS, GPU, TPU, _check_flags
+from tests.deploy.test_chart import CTRL, DEFAULT_OBJECTS, GPU, TPU, _check_flags
 
 DEFAULT_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 CACHE = "/var/cache/huggingface"
@@ -29,17 +29,7 @@ def test_the_default_values_install(renderer, monkeypatch):
     """`helm install` with no values: it renders, every object passes the Kubernetes schemas,
     and each program takes the flags its pod is given."""
     m = renderer.render(None)
-    assert m.kinds_names() == {
-        ("ServiceAccount", "tandem"),
-        ("Deployment", CTRL),
-        ("Service", CTRL),
-        ("StatefulSet", GPU),
-        ("Service", GPU),
-        ("PodDisruptionBudget", GPU),
-        ("NetworkPolicy", GPU),
-        ("ConfigMap", "tandem-dashboards"),
-        *GENERATED_SECRETS,
-    }
+    assert m.kinds_names() == DEFAULT_OBJECTS
     for doc in m.docs:
         validate_k8s(doc)
     assert _check_flags(m, monkeypatch) == 2

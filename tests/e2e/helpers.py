@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -48,6 +50,16 @@ def metric_sum(text: str, name: str) -> float:
         if line.startswith(name):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def metrics_text(server) -> str:
+    """The controller's /metrics exposition."""
+    return httpx.get(server.base_url + "/metrics", timeout=10).text
+
+
+def executors_lost(server) -> float:
+    """tandem:executor_lost_total, summed over the fleet."""
+    return metric_sum(metrics_text(server), "tandem:executor_lost_total")
 
 
 MAX_TOKENS = 40

@@ -15,6 +15,7 @@ from tests.support.dns_server import LocalDNSServer
 from tests.support.processes import (
     FAST_HEALTH,
     free_port,
+    grpc_health,
     spawn_controller,
     spawn_executor,
     wait_healthy_executors,
@@ -27,18 +28,6 @@ LONG_PROMPTS = [
     for w in ("red", "blue", "green", "gold", "grey", "white")
 ]
 NEW_PROMPTS = [f"List {n} colours of the rainbow:" for n in ("three", "four", "five", "six")]
-
-
-def grpc_serving(address: str) -> bool:
-    """Whether the executor at `address` answers its gRPC health check with SERVING."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        resp = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=2
-        )
-    return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
 @pytest.mark.slow
@@ -75,7 +64,9 @@ def test_executors_join_and_leave_through_dns(default_model_dir, tmp_path):
         assert state["address"] == a and state["source"] == "dns"
         expected_long = expected_texts(server, LONG_PROMPTS, 96)
         expected_new = expected_texts(server, NEW_PROMPTS, 16)
-        wait_until(lambda: grpc_serving(b), 300, "the second executor to load", logs=tmp)
+        wait_until(
+            lambda: grpc_health(b) == "SERVING", 300, "the second executor to load", logs=tmp
+        )
 
         async def run():
             started = asyncio.Event()

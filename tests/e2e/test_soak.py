@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 import time
 
 import httpx
 import pytest
 
 from tests.e2e.helpers import LONG_PROMPT, PROMPTS, assert_no_blocks_in_use, gauge
-from tests.support.processes import rss_mib, start_server
+from tests.support.processes import PeakRSS, rss_mib, start_server
 
 CONCURRENCY = 300  # streams per wave
 SOAK_SECONDS = 45.0  # waves start until this much time has passed
@@ -173,27 +172,6 @@ async def _heavy_wave(base_url: str, model: str, rng: random.Random, size: int) 
     ]
 
 
-class _PeakRSS:
-    """Samples a process's resident memory in a thread; `peak` is the largest seen."""
-
-    def __init__(self, pid: int, interval: float = 0.25):
-        self.pid, self.interval, self.peak = pid, interval, rss_mib(pid)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, rss_mib(self.pid))
-
-    def __enter__(self) -> _PeakRSS:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 @pytest.mark.slow
 def test_memory_budget_soak(soak_server):
     s = soak_server
@@ -204,7 +182,7 @@ def test_memory_budget_soak(soak_server):
     rss_warm = rss_mib(s.controller.pid)
     outcomes: dict[str, int] = {}
     started, waves = time.monotonic(), 0
-    with _PeakRSS(s.controller.pid) as rss:
+    with PeakRSS(s.controller.pid) as rss:
         while time.monotonic() - started < BUDGET_SECONDS:
             for r in asyncio.run(_heavy_wave(s.base_url, s.model_name, rng, BUDGET_WAVE)):
                 key = r.split(":")[0]

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -254,6 +255,56 @@ def rss_mib(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise RuntimeError("no VmRSS")
+
+
+class PeakRSS:
+    """Samples a process's resident memory in a thread while a block runs; ``base`` is the
+    RSS when the block began, ``peak`` the largest seen (MiB)."""
+
+    def __init__(self, pid: int, interval: float = 0.25):
+        self.pid, self.interval = pid, interval
+        self.base = self.peak = rss_mib(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.peak = max(self.peak, rss_mib(self.pid))
+            except (OSError, RuntimeError):  # the process is gone
+                return
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def write_executor_file(path: str, addresses: list[str]) -> None:
+    """Write an --executor-file listing whole (renamed into place): the controller rereads it
+    at any moment and must never see half of it."""
+    with open(path + ".tmp", "w") as f:
+        f.write("".join(a + "\n" for a in addresses))
+    os.replace(path + ".tmp", path)
+
+
+def grpc_health(address: str, timeout: float = 2.0) -> str:
+    """The grpc.health.v1 status of the server at ``address`` ("SERVING", "NOT_SERVING", ...),
+    or "GONE" when nothing answers."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout
+            )
+    except grpc.RpcError:
+        return "GONE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
 
 
 def read_ports_files(files: list[str], timeout: float, logs: str = "") -> list[int]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from tests.e2e.helpers import metric_sum
+from tests.e2e.helpers import executors_lost
 from tests.support.processes import LiveServer, rss_mib
 
 REFERENCE = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
@@ -26,15 +26,6 @@ class Cost:
     rss_growth_mib: float  # controller resident memory after, minus before
     executor_losses: float  # tandem:executor_lost_total after, minus before
     innocent_text: str  # the concurrent greedy request's answer
-
-
-def metrics_text(server: LiveServer) -> str:
-    return httpx.get(server.base_url + "/metrics", timeout=10).text
-
-
-def executors_lost(server: LiveServer) -> float:
-    """tandem:executor_lost_total, summed over the fleet."""
-    return metric_sum(metrics_text(server), "tandem:executor_lost_total")
 
 
 def innocent(server: LiveServer) -> str:

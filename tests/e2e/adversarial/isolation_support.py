@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from tests.e2e.helpers import metric_sum
 from tests.support.processes import (
     FAST_HEALTH,
     LiveServer,
@@ -46,12 +45,6 @@ def start_sim_fleet(
     server.executors, server.executor_ports = procs, ports
     wait_healthy_executors(server, len(executors) if healthy is None else healthy, 120)
     return server
-
-
-def executors_lost(server: LiveServer) -> float:
-    """tandem:executor_lost_total, summed over the fleet."""
-    text = httpx.get(server.base_url + "/metrics", timeout=10).text
-    return metric_sum(text, "tandem:executor_lost_total")
 
 
 def controller_rss(server: LiveServer) -> float:

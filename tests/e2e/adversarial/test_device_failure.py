@@ -11,21 +11,19 @@ from __future__ import annotations
 import threading
 import time
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from tests.e2e.adversarial.isolation_support import (
     INNOCENT_PROMPTS,
     SIM_SPEED,
     InnocentLoad,
     complete,
-    executors_lost,
     greedy,
     greedy_texts,
 )
+from tests.e2e.helpers import executors_lost
 from tests.support.processes import (
     FAST_HEALTH,
     free_port,
+    grpc_health,
     spawn_controller,
     spawn_executor,
     wait_healthy_executors,
@@ -37,15 +35,7 @@ EXIT_AFTER = 2.0  # seconds of NOT_SERVING before the process exits
 
 
 def _health(port: int) -> str:
-    """The executor's grpc.health.v1 status, or "GONE" when nothing answers."""
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            status = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=1
-            )
-    except grpc.RpcError:
-        return "GONE"
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
+    return grpc_health(f"127.0.0.1:{port}", timeout=1)
 
 
 def test_a_device_failure_ends_the_executor_and_its_requests_move(default_model_dir, tmp_path):

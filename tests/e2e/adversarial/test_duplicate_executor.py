@@ -10,28 +10,20 @@ from __future__ import annotations
 import os
 import time
 
-import httpx
-
 from tests.e2e.adversarial.isolation_support import (
     INNOCENT_PROMPTS,
     SIM_SPEED,
     InnocentLoad,
-    executors_lost,
     greedy_texts,
 )
-from tests.e2e.helpers import metric_sum
+from tests.e2e.helpers import executors_lost, metric_sum, metrics_text
 from tests.support.processes import (
     FAST_HEALTH,
     spawn_controller,
     spawn_executor,
     wait_until,
+    write_executor_file,
 )
-
-
-def _write(path: str, addresses: list[str]) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write("".join(a + "\n" for a in addresses))
-    os.replace(path + ".tmp", path)
 
 
 def _states(server) -> dict[str, dict]:
@@ -53,7 +45,7 @@ def test_one_executor_under_two_addresses_is_driven_once(default_model_dir, tmp_
     executor, port = spawn_executor("executor_sim", default_model_dir, tmp, "sim", extra=SIM_SPEED)
     listing = os.path.join(tmp, "executors.txt")
     addresses = [f"127.0.0.1:{port}", f"localhost:{port}"]
-    _write(listing, addresses)
+    write_executor_file(listing, addresses)
     server = spawn_controller(
         default_model_dir,
         tmp,
@@ -64,7 +56,7 @@ def test_one_executor_under_two_addresses_is_driven_once(default_model_dir, tmp_
         driver, duplicate = wait_until(lambda: _one_driver(server), 120, "one driver", logs=tmp)
         state = _states(server)[duplicate]
         assert state["duplicate_of"] == driver and "same executor" in state["connect_error"]
-        metrics = httpx.get(server.base_url + "/metrics", timeout=10).text
+        metrics = metrics_text(server)
         assert metric_sum(metrics, 'tandem:executors{accelerator="gpu",model_name') >= 1
         assert 'state="duplicate"} 1.0' in metrics
         references = greedy_texts(server, INNOCENT_PROMPTS[:4])
@@ -77,7 +69,7 @@ def test_one_executor_under_two_addresses_is_driven_once(default_model_dir, tmp_
         assert _states(server)[driver]["reconnects"] == 0
 
         # The driving address leaves: the duplicate takes the executor over.
-        _write(listing, [duplicate])
+        write_executor_file(listing, [duplicate])
         wait_until(
             lambda: list(_states(server)) == [duplicate] and _states(server)[duplicate]["healthy"],
             60,

@@ -7,22 +7,16 @@ from __future__ import annotations
 
 import os
 
-import httpx
-
 from tests.e2e.adversarial.isolation_support import INNOCENT_PROMPTS, SIM_SPEED, complete, greedy
+from tests.e2e.helpers import metrics_text
 from tests.support.processes import (
     FAST_HEALTH,
     spawn_controller,
     spawn_executor,
     wait_healthy_executors,
     wait_until,
+    write_executor_file,
 )
-
-
-def _write(path: str, addresses: list[str]) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write("".join(a + "\n" for a in addresses))
-    os.replace(path + ".tmp", path)
 
 
 def test_a_removed_executors_series_leave_metrics(default_model_dir, tmp_path):
@@ -33,7 +27,7 @@ def test_a_removed_executors_series_leave_metrics(default_model_dir, tmp_path):
     ]
     addresses = [f"127.0.0.1:{port}" for _, port in sims]
     listing = os.path.join(tmp, "executors.txt")
-    _write(listing, addresses)
+    write_executor_file(listing, addresses)
     server = spawn_controller(
         default_model_dir,
         tmp,
@@ -46,15 +40,12 @@ def test_a_removed_executors_series_leave_metrics(default_model_dir, tmp_path):
             status, _, _ = complete(server, greedy(prompt))
             assert status == 200
 
-        def exposition() -> str:
-            return httpx.get(server.base_url + "/metrics", timeout=10).text
-
         def series(text: str, executor: str) -> set[str]:
             """The metric names with a series labelled with this executor."""
             mark = f'executor="{executor}"'
             return {line.split("{")[0] for line in text.splitlines() if mark in line}
 
-        before = exposition()
+        before = metrics_text(server)
         # The executor that served the requests leaves (its counters are there to go).
         served = [a for a in addresses if "vllm:generation_tokens_total" in series(before, a)]
         gone = served[0]
@@ -62,17 +53,17 @@ def test_a_removed_executors_series_leave_metrics(default_model_dir, tmp_path):
         assert {"vllm:request_success_total", "tandem:executor_healthy"} <= series(before, gone)
         assert "tandem:executor_healthy" in series(before, kept)
 
-        _write(listing, [kept])
+        write_executor_file(listing, [kept])
         wait_until(
             lambda: [e["address"] for e in server.executors_state()] == [kept],
             60,
             "the executor's removal",
             logs=tmp,
         )
-        after = exposition()
+        after = metrics_text(server)
         assert series(after, gone) == set()
         assert series(after, kept) == series(before, kept)
         status, _, _ = complete(server, greedy(INNOCENT_PROMPTS[0]))
-        assert status == 200 and series(exposition(), gone) == set()
+        assert status == 200 and series(metrics_text(server), gone) == set()
     finally:
         server.stop()

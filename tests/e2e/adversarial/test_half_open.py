@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.e2e.helpers import metric_sum
+from tests.e2e.helpers import executors_lost, metric_sum, metrics_text
 from tests.support.processes import rss_mib, start_server, wait_until
 
 HEADER_TIMEOUT = 2.0
@@ -62,21 +62,15 @@ def sockets_of(pid: int) -> int:
     return count
 
 
-def metrics(server) -> str:
-    return httpx.get(server.base_url + "/metrics", timeout=10).text
-
-
 def open_connections(server) -> float:
     """tandem:http_connections, less the scrape's own connection."""
-    return metric_sum(metrics(server), "tandem:http_connections ") - 1
+    return metric_sum(metrics_text(server), "tandem:http_connections ") - 1
 
 
 def closed_early(server, reason: str) -> float:
-    return metric_sum(metrics(server), f'tandem:http_connections_closed_total{{reason="{reason}"}}')
-
-
-def executor_losses(server) -> float:
-    return metric_sum(metrics(server), "tandem:executor_lost_total")
+    return metric_sum(
+        metrics_text(server), f'tandem:http_connections_closed_total{{reason="{reason}"}}'
+    )
 
 
 def greedy(server) -> tuple[str, float]:
@@ -105,7 +99,7 @@ class Baseline:
         answer, _ = greedy(server)
         wait_until(lambda: open_connections(server) == 0, 30, "no open connection")
         pid = server.controller.pid
-        return cls(0, sockets_of(pid), rss_mib(pid), executor_losses(server), answer)
+        return cls(0, sockets_of(pid), rss_mib(pid), executors_lost(server), answer)
 
     def assert_back(self, server, rss_slack_mib: float) -> None:
         """Connections and sockets back to where they were; memory, losses and answers too."""
@@ -113,7 +107,7 @@ class Baseline:
         wait_until(lambda: open_connections(server) == 0, 30, "connections back to baseline")
         wait_until(lambda: sockets_of(pid) <= self.sockets, 30, "sockets back to baseline")
         assert rss_mib(pid) - self.rss < rss_slack_mib
-        assert executor_losses(server) == self.losses
+        assert executors_lost(server) == self.losses
         answer, seconds = greedy(server)
         assert answer == self.answer and seconds < 60
 

@@ -17,11 +17,11 @@ from tests.e2e.adversarial.isolation_support import (
     InnocentLoad,
     complete,
     controller_rss,
-    executors_lost,
     greedy,
     greedy_texts,
     start_sim_fleet,
 )
+from tests.e2e.helpers import executors_lost
 
 REJECTED = 7777  # the simulated device fails a request carrying this token, alone
 HANG = 7778  # a step bringing this token stalls past the controller's step timeout

@@ -17,8 +17,8 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.adversarial.bounds_support import executors_lost, innocent, metrics_text
-from tests.e2e.helpers import assert_no_blocks_in_use, metric_sum
+from tests.e2e.adversarial.bounds_support import innocent
+from tests.e2e.helpers import assert_no_blocks_in_use, executors_lost, metric_sum, metrics_text
 from tests.support.processes import rss_mib, start_server
 
 STALL_TIMEOUT = 2.0  # seconds, the server's --stream-stall-timeout
