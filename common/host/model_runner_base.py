@@ -64,6 +64,7 @@ class ModelRunnerBase(abc.ABC):
             max_tokens_per_step=self.config.max_num_batched_tokens,
             max_num_seqs=self.config.max_num_seqs,
             max_logprobs=self.config.max_logprobs,
+            tensor_parallel_size=self.config.tensor_parallel_size,
         )
 
     def step_limits(self) -> StepLimits:

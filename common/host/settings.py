@@ -38,6 +38,13 @@ class ExecutorConfig(ModelSourceSettings):
     device: str = setting(
         "auto", "auto, cpu, cuda or cuda:N (GPU executor); auto, tpu or cpu (TPU executor)"
     )
+    tensor_parallel_size: int = setting(
+        1,
+        "devices one executor shards the model over (GPU: one rank process per device; TPU: "
+        "the chips of its host, SPMD); the controller sees one executor",
+        aliases=("tensor_parallel_size", "tp"),
+        ge=1,
+    )
     block_size: int = setting(16, "tokens per KV block")
     kv_cache_bytes: int = setting(
         0,

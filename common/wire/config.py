@@ -48,6 +48,7 @@ class Capabilities:
     request_buckets: list[int] = field(default_factory=list)  # static-shape request paddings
     max_num_seqs: int = 128  # most requests in one step
     max_logprobs: int = 20  # most top logprobs per position
+    tensor_parallel_size: int = 1  # devices the model is sharded over behind this executor
 
 
 @dataclass

@@ -265,6 +265,7 @@ def device_info_to_pb(d: DeviceInfo) -> pb.InitDeviceResponse:
             request_buckets=c.request_buckets,
             max_num_seqs=c.max_num_seqs,
             max_logprobs=c.max_logprobs,
+            tensor_parallel_size=c.tensor_parallel_size,
         ),
     )
 
@@ -296,6 +297,7 @@ def device_info_from_pb(m: pb.InitDeviceResponse) -> DeviceInfo:
             request_buckets=list(c.request_buckets),
             max_num_seqs=c.max_num_seqs,
             max_logprobs=c.max_logprobs,
+            tensor_parallel_size=max(1, c.tensor_parallel_size),
         ),
     )
 
