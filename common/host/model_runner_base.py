@@ -49,13 +49,18 @@ class ModelRunnerBase(abc.ABC):
         g = self.geometry
         block_size = self.config.block_size
         per_block = kv_bytes_per_block(
-            block_size, g.num_kv_heads, g.head_dim, g.num_layers, self.precision.kv_bytes
+            block_size, self.stored_kv_heads(), g.head_dim, g.num_layers, self.precision.kv_bytes
         )
         return KVCacheSpec(
             block_size=block_size,
             bytes_per_block=per_block,
             dtype=self.precision.kv_cache_dtype,
         )
+
+    def stored_kv_heads(self) -> int:
+        """Key/value heads one block stores per layer over all the executor's devices: the
+        model's, unless a sharded runner replicates some."""
+        return self.geometry.num_kv_heads
 
     def get_capabilities(self) -> Capabilities:
         """What this runner supports; static-shape backends add their buckets."""

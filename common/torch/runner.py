@@ -27,6 +27,7 @@ from common.host.model_runner_base import ModelRunnerBase
 from common.host.settings import ExecutorConfig
 from common.torch.input_batch import InputBatch, RequestState, ScheduledRow
 from common.torch.models import build_model
+from common.torch.parallel import SINGLE, TensorParallel, head_shard, stored_kv_heads
 from common.wire.config import ModelGeometry
 from common.wire.step_types import (
     RequestStepOutput,
@@ -106,11 +107,14 @@ class TorchModelRunner(ModelRunnerBase):
         geometry: ModelGeometry,
         device: torch.device,
         batch_device: torch.device | str | None = None,
+        tp: TensorParallel = SINGLE,
     ):
         kind = self.device_kind_of(device)
         capability = torch.cuda.get_device_capability(device) if kind == "cuda" else None
         super().__init__(config, geometry, kind, capability)
         self.device = device  # where weights and the KV cache live
+        self.tp = tp  # this rank's place among the devices the model is sharded over
+        self.local_kv_heads = geometry.num_kv_heads  # KV heads this rank stores (load_model)
         self.dtype = DTYPES[self.precision.dtype]  # weights / activations dtype
         self.kv_dtype = DTYPES[self.precision.kv_cache_dtype]  # the KV cache's dtype
         log.info(
@@ -148,10 +152,17 @@ class TorchModelRunner(ModelRunnerBase):
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of one layer's KV tensor (common.torch.attention's layout by default)."""
         g = self.geometry
-        return (2, num_blocks, self.config.block_size, g.num_kv_heads, g.head_dim)
+        return (2, num_blocks, self.config.block_size, self.local_kv_heads, g.head_dim)
 
     def after_kv_cache_allocated(self) -> None:
         """Called once the KV tensors are allocated and bound."""
+
+    def stored_kv_heads(self) -> int:
+        """The model's KV heads, plus the replicas of a sharded model's (after load_model)."""
+        if self.tp.size == 1 or self.model is None:
+            return super().stored_kv_heads()
+        args = self.model.args
+        return stored_kv_heads(args.num_heads, args.num_kv_heads, self.tp.size)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -163,7 +174,12 @@ class TorchModelRunner(ModelRunnerBase):
             self.load_device(),
             self.geometry.max_model_len,
             self.config.load_format,
+            self.tp,
         )
+        args = model.args
+        self.local_kv_heads = head_shard(
+            args.num_heads, args.num_kv_heads, self.tp.size, self.tp.rank
+        ).kv_count
         model.set_attention_backend(self.attention_backend)
         self.model = self.place_model(model)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())

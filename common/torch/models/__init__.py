@@ -30,9 +30,15 @@ def get_model_class(architecture: str) -> type:
 
 
 def build_model(
-    model_dir: str, dtype: Any, device: Any, max_model_len: int = 0, load_format: str = "auto"
+    model_dir: str,
+    dtype: Any,
+    device: Any,
+    max_model_len: int = 0,
+    load_format: str = "auto",
+    tp: Any = None,
 ) -> Any:
-    """Create the checkpoint's model on ``device`` with ``dtype`` weights, loaded and in eval mode.
+    """Create the checkpoint's model on ``device`` with ``dtype`` weights, loaded and in eval mode;
+    with ``tp`` (common.torch.parallel.TensorParallel), this rank's shard of it.
 
     Parameters are first created on the meta device (no random init), then allocated on the
     target device and filled from the checkpoint, or, with ``load_format="dummy"``, with random
@@ -44,8 +50,10 @@ def build_model(
 
     cfg = read_model_config(model_dir)
     cls = get_model_class(architecture_of(cfg))
+    from common.torch.parallel import SINGLE
+
     with torch.device("meta"):
-        model = cls(cfg, dtype=dtype, max_model_len=max_model_len)
+        model = cls(cfg, dtype=dtype, max_model_len=max_model_len, tp=tp or SINGLE)
     model.to_empty(device=device)
     model.tie_weights()
     if load_format == "dummy":

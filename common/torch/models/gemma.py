@@ -36,6 +36,7 @@ from common.torch.models.llama import (
     LlamaMLP,
 )
 from common.torch.models.rope import RotaryEmbedding
+from common.torch.parallel import SINGLE, TensorParallel
 from common.wire.model_config import layer_windows
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
@@ -172,9 +173,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
     layer_class = GemmaDecoderLayer
 
     def __init__(
-        self, config: dict[str, Any], dtype: torch.dtype = torch.float32, max_model_len: int = 0
+        self,
+        config: dict[str, Any],
+        dtype: torch.dtype = torch.float32,
+        max_model_len: int = 0,
+        tp: TensorParallel = SINGLE,
     ):
-        super().__init__(config, dtype, max_model_len)
+        super().__init__(config, dtype, max_model_len, tp)
         args = self.args
         self.model.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.rotary_local = RotaryEmbedding(
@@ -204,8 +209,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
             x, _ = layer(ropes[layer.self_attn.local], x, None, attn_metadata)
         return self.model.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [S, vocab], soft-capped where the config says."""
-        logits = super().compute_logits(hidden)
+    def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of this rank's vocabulary, soft-capped where the config says."""
+        logits = super().project_logits(hidden)
         cap = self.args.final_softcap
         return torch.tanh(logits / cap) * cap if cap > 0 else logits

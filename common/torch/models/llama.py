@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,7 +28,14 @@ from torch import nn
 
 from common.torch.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from common.torch.models.layer_ops import TORCH_LAYER_OPS, LayerOps
+from common.torch.models.linear import (
+    Linear,
+    VocabEmbedding,
+    column_linear,
+    row_linear,
+)
 from common.torch.models.rope import RotaryEmbedding
+from common.torch.parallel import SINGLE, TensorParallel, head_shard, split_range
 from common.wire.model_config import layer_windows
 
 log = logging.getLogger(__name__)
@@ -58,6 +65,8 @@ class LlamaArgs:
     o_bias: bool  # output projection has a bias (Llama attention_bias)
     mlp_bias: bool  # MLP projections have a bias
     windows: list[int]  # per layer: its sliding window in tokens, 0 = the whole context
+    # How the layers are sharded over ranks (common.torch.parallel); not read from the config.
+    tp: TensorParallel = field(default=SINGLE, kw_only=True)
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> LlamaArgs:
@@ -119,67 +128,28 @@ def norm_heads(norm: nn.Module, heads: torch.Tensor) -> torch.Tensor:
     return norm(heads.reshape(t * n, d)).view(t, n, d)
 
 
-class ShardedWeight(nn.Module):
-    """A weight stored [in, out] (the checkpoint's transpose) whose output columns may stack
-    several checkpoint tensors (``shard_sizes``, e.g. q|k|v); ``load_tensor`` fills them."""
-
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype):
-        super().__init__()
-        self.shard_sizes = list(shard_sizes)  # output columns of each stacked checkpoint tensor
-        out = sum(shard_sizes)
-        self.weight = nn.Parameter(torch.empty(in_features, out, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(out, dtype=dtype)) if bias else None
-
-    def shard_slice(self, shard: int) -> slice:
-        """Output columns holding shard ``shard``."""
-        start = sum(self.shard_sizes[:shard])
-        return slice(start, start + self.shard_sizes[shard])
-
-    def load_tensor(self, param: str, tensor: torch.Tensor, shard: int = 0) -> None:
-        """Copy a checkpoint tensor (``weight`` [out, in] or ``bias`` [out]) into shard."""
-        cols = self.shard_slice(shard)
-        if param == "weight":
-            dest, src = self.weight.data[:, cols], tensor.t()
-        elif param == "bias" and self.bias is not None:
-            dest, src = self.bias.data[cols], tensor
-        else:
-            raise KeyError(f"no parameter {param!r}")
-        if dest.shape != src.shape:
-            raise ValueError(
-                f"{param} shard {shard}: checkpoint {tuple(tensor.shape)} does not "
-                f"fit {tuple(dest.shape)}"
-            )
-        dest.copy_(src)
-
-
-class Linear(ShardedWeight):
-    """``y = x @ weight + bias`` with ``weight`` stored [in, out] (the checkpoint's transpose).
-
-    The [in, out] layout makes the matmul a plain (non-transposed) GEMM, which several BLAS
-    libraries run much faster for the small row counts of decode steps.
-    """
-
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype):
-        super().__init__(in_features, shard_sizes, bias, dtype)
-        self.ops: LayerOps = TORCH_LAYER_OPS
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> [T, out]."""
-        return self.ops.linear(x, self.weight, self.bias)
-
-
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention over the paged KV cache (layer ``index`` of the stack)."""
 
     def __init__(self, args: LlamaArgs, dtype: torch.dtype, index: int):
         super().__init__()
-        self.num_heads = args.num_heads
-        self.num_kv_heads = args.num_kv_heads
-        self.head_dim = args.head_dim
-        q_size = args.num_heads * args.head_dim
-        kv_size = args.num_kv_heads * args.head_dim
-        self.qkv_proj = Linear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias, dtype)
-        self.o_proj = Linear(q_size, [args.hidden_size], args.o_bias, dtype)
+        tp, d = args.tp, args.head_dim
+        heads = head_shard(args.num_heads, args.num_kv_heads, tp.size, tp.rank)
+        self.num_heads = heads.q_count  # query heads of this rank (all of them for one rank)
+        self.num_kv_heads = heads.kv_count  # key/value heads of this rank
+        self.head_dim = d
+        q_size, kv_size = heads.q_count * d, heads.kv_count * d
+        self.qkv_proj = column_linear(
+            tp,
+            args.hidden_size,
+            [q_size, kv_size, kv_size],
+            [heads.q_start * d, heads.kv_start * d, heads.kv_start * d],
+            args.qkv_bias,
+            dtype,
+        )
+        self.o_proj = row_linear(
+            tp, q_size, heads.q_start * d, args.hidden_size, args.o_bias, dtype
+        )
         self.scale = args.head_dim**-0.5
         self.window = args.windows[index]  # sliding window (0 = the whole context)
         self.softcap = 0.0  # attention logit soft-capping (0 = none)
@@ -220,9 +190,13 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, args: LlamaArgs, dtype: torch.dtype):
         super().__init__()
-        inter = args.intermediate_size
-        self.gate_up_proj = Linear(args.hidden_size, [inter, inter], args.mlp_bias, dtype)
-        self.down_proj = Linear(inter, [args.hidden_size], args.mlp_bias, dtype)
+        tp = args.tp
+        start, stop = split_range(args.intermediate_size, tp.size, tp.rank)
+        inter = stop - start  # this rank's slice of the MLP width
+        self.gate_up_proj = column_linear(
+            tp, args.hidden_size, [inter, inter], [start, start], args.mlp_bias, dtype
+        )
+        self.down_proj = row_linear(tp, inter, start, args.hidden_size, args.mlp_bias, dtype)
         self.ops: LayerOps = TORCH_LAYER_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -272,7 +246,11 @@ class LlamaModel(nn.Module):
         layer_class: type[LlamaDecoderLayer],
     ):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
+        self.embed_tokens: nn.Module = (
+            VocabEmbedding(args.vocab_size, args.hidden_size, dtype, args.tp)
+            if args.tp.size > 1
+            else nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
+        )
         self.rotary = RotaryEmbedding(
             args.head_dim, max_positions, args.rope_theta, args.rope_scaling
         )
@@ -301,10 +279,15 @@ class LlamaForCausalLM(nn.Module):
     ]
 
     def __init__(
-        self, config: dict[str, Any], dtype: torch.dtype = torch.float32, max_model_len: int = 0
+        self,
+        config: dict[str, Any],
+        dtype: torch.dtype = torch.float32,
+        max_model_len: int = 0,
+        tp: TensorParallel = SINGLE,
     ):
         super().__init__()
         self.args = self.args_class.from_config(config)
+        self.args.tp = tp  # how the layers below are sharded
         self.dtype = dtype
         max_positions = max(self.args.max_position_embeddings, max_model_len)
         self.model = LlamaModel(self.args, max_positions, dtype, self.layer_class)
@@ -313,8 +296,10 @@ class LlamaForCausalLM(nn.Module):
         self.logits_weight: torch.Tensor | None = None
         # A device's whole-stack forward (see StackForward), or None: the layers one by one.
         self.stack_forward: StackForward | None = None
-        self.lm_head = nn.Linear(
-            self.args.hidden_size, self.args.vocab_size, bias=False, dtype=dtype
+        self.lm_head: nn.Module = (
+            VocabEmbedding(self.args.vocab_size, self.args.hidden_size, dtype, tp)
+            if tp.size > 1
+            else nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False, dtype=dtype)
         )
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -355,7 +340,11 @@ class LlamaForCausalLM(nn.Module):
         """Whether a device's whole-stack forward (which computes plain Llama layers over
         whole-context attention) may replace this model's layers: not with sliding windows,
         nor in families whose layers differ (they override this)."""
-        return type(self).layer_class is LlamaDecoderLayer and not any(self.args.windows)
+        return (
+            type(self).layer_class is LlamaDecoderLayer
+            and not any(self.args.windows)
+            and self.args.tp.size == 1
+        )
 
     def set_stack_forward(self, fn: StackForward | None) -> None:
         """Run the decoder layers and final norm through ``fn`` where it applies; it must compute
@@ -391,7 +380,13 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(rope, x, residual, attn_metadata)
         return self.model.norm(x, residual)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [S, vocab] of the selected hidden rows [S, hidden]."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits [S, vocab] of the selected hidden rows [S, hidden]; under tensor
+        parallelism every rank computes its slice of the vocabulary and rank 0 gets them all
+        (the other ranks get None)."""
+        return self.args.tp.gather_vocab(self.project_logits(hidden), self.args.vocab_size)
+
+    def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of hidden rows against the output embedding this rank holds."""
         weight = self.logits_weight if self.logits_weight is not None else self.lm_head.weight
         return self.layer_ops.logits(hidden, weight)

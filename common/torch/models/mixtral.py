@@ -8,18 +8,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.torch.models.llama import LlamaArgs, LlamaDecoderLayer, LlamaForCausalLM, ShardedWeight
+from common.torch.models.linear import ShardedWeight
+from common.torch.models.llama import LlamaArgs, LlamaDecoderLayer, LlamaForCausalLM
 from common.torch.models.moe import MoeArgs, SparseMoeBlock, stack_all_experts
 
 
 class MixtralExpert(nn.Module):
     """One expert's checkpoint weights under Mixtral's names."""
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, start: int | None = None):
         super().__init__()
-        self.w1 = ShardedWeight(hidden, [inter], False, dtype)  # gate
-        self.w3 = ShardedWeight(hidden, [inter], False, dtype)  # up
-        self.w2 = ShardedWeight(inter, [hidden], False, dtype)  # down
+        cols = None if start is None else [start]  # this rank's slice of the width, if any
+        self.w1 = ShardedWeight(hidden, [inter], False, dtype, out_offsets=cols)  # gate
+        self.w3 = ShardedWeight(hidden, [inter], False, dtype, out_offsets=cols)  # up
+        self.w2 = ShardedWeight(inter, [hidden], False, dtype, in_offset=start)  # down
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate | up [hidden, 2 inter], down [inter, hidden])."""

@@ -29,7 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.torch.models.llama import Linear, LlamaArgs, ShardedWeight
+from common.torch.models.linear import Linear, ShardedWeight
+from common.torch.models.llama import LlamaArgs
+from common.torch.parallel import split_range
 
 
 @dataclass
@@ -66,12 +68,14 @@ class MoeArgs(LlamaArgs):
 
 class Expert(nn.Module):
     """One expert's checkpoint weights (Qwen3-MoE names: ``gate_proj`` and ``up_proj`` fused by
-    the loader, ``down_proj``), held only until ``SparseMoeBlock.stack_experts``."""
+    the loader, ``down_proj``), held only until ``SparseMoeBlock.stack_experts``. Under tensor
+    parallelism it holds ``inter`` of its MLP width from ``start`` (None: the whole width)."""
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, start: int | None = None):
         super().__init__()
-        self.gate_up_proj = ShardedWeight(hidden, [inter, inter], False, dtype)
-        self.down_proj = ShardedWeight(inter, [hidden], False, dtype)
+        cols = None if start is None else [start, start]
+        self.gate_up_proj = ShardedWeight(hidden, [inter, inter], False, dtype, out_offsets=cols)
+        self.down_proj = ShardedWeight(inter, [hidden], False, dtype, in_offset=start)
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate | up [hidden, 2 inter], down [inter, hidden])."""
@@ -79,7 +83,9 @@ class Expert(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router, top-k selection and the experts' SwiGLU MLPs."""
+    """Router, top-k selection and the experts' SwiGLU MLPs. Under tensor parallelism every
+    rank routes every token (the router is whole on each), each holds a slice of every
+    expert's width, and the ranks' partial outputs are all-reduced."""
 
     def __init__(self, args: MoeArgs, dtype: torch.dtype, expert_class: type[nn.Module] = Expert):
         super().__init__()
@@ -88,9 +94,13 @@ class SparseMoeBlock(nn.Module):
         self.inter = args.moe_intermediate_size
         self.norm_topk_prob = args.norm_topk_prob
         self.gate = Linear(args.hidden_size, [args.num_experts], False, dtype)
-        hidden, inter = args.hidden_size, args.moe_intermediate_size
+        self.tp = args.tp
+        start, stop = split_range(args.moe_intermediate_size, self.tp.size, self.tp.rank)
+        self.inter = stop - start  # this rank's slice of each expert's width
+        sliced = start if self.tp.size > 1 else None
         self.experts: nn.ModuleList | None = nn.ModuleList(
-            expert_class(hidden, inter, dtype) for _ in range(args.num_experts)
+            expert_class(args.hidden_size, self.inter, dtype, sliced)
+            for _ in range(args.num_experts)
         )
         # Stacked by stack_experts: [E, hidden, 2 inter] (gate | up) and [E, inter, hidden].
         self.w_gate_up: nn.Parameter | None = None
@@ -118,8 +128,10 @@ class SparseMoeBlock(nn.Module):
         """x [T, hidden] -> [T, hidden]."""
         experts, weights = self.route(x)
         if x.device.type == "xla" or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            return self._dense(x, experts, weights)
-        return self._grouped(x, experts, weights)
+            out = self._dense(x, experts, weights)
+        else:
+            out = self._grouped(x, experts, weights)
+        return self.tp.all_reduce(out)
 
     def _expert_mlp(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         gate, up = (rows @ self.w_gate_up[e]).split(self.inter, dim=-1)
