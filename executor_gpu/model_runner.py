@@ -24,6 +24,7 @@ import torch
 from common.host.settings import ExecutorConfig
 from common.torch.attention import AttentionMetadata, get_attention_backend
 from common.torch.input_batch import RequestState, ScheduledRow, StepBatch
+from common.torch.parallel import SINGLE, TensorParallel
 from common.torch.runner import (
     DUMMY_SAMPLING,
     RowResults,
@@ -40,6 +41,8 @@ from common.torch.sampling import (
 from common.wire.config import ModelGeometry
 from executor_gpu.cpu import kernels as cpu_kernels
 from executor_gpu.cuda.graphs import DecodeGraphs, capture_sizes
+from executor_gpu.ranks.group import RankGroup
+from executor_gpu.ranks.leader_model import LeaderModel
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +62,24 @@ def resolve_device(spec: str) -> torch.device:
 
 
 class GPUModelRunner(TorchModelRunner):
-    """Runs steps of a served model (any family) on a CUDA device or the CPU."""
+    """Runs steps of a served model (any family) on a CUDA device or the CPU.
 
-    def __init__(self, config: ExecutorConfig, geometry: ModelGeometry):
-        super().__init__(config, geometry, resolve_device(config.device))
+    Under tensor parallelism, rank 0's runner holds the ``RankGroup`` of followers (``ranks``)
+    and drives its model through ``LeaderModel``; each follower runs this class too, with its
+    ``tp`` rank and no group (executor_gpu.follower).
+    """
+
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        geometry: ModelGeometry,
+        tp: TensorParallel = SINGLE,
+        device: torch.device | None = None,
+        ranks: RankGroup | None = None,
+    ):
+        device = device or resolve_device(config.device)
+        super().__init__(config, geometry, device, tp=tp)
+        self.ranks = ranks  # rank 0 of several: the followers it drives
         self.sampler = Sampler(config.seed, self.device)  # noise for unseeded rows
         self.fused_ops = None  # the device's fused layer ops, where it has them
         self.stack_forward_of = None  # builds the model's one-call decoder stack, where it has one
@@ -121,7 +138,17 @@ class GPUModelRunner(TorchModelRunner):
         return False
 
     def load_model(self) -> None:
-        """Load the model, then switch it to the device's fused layer ops where they exist."""
+        """Load the model, then switch it to the device's fused layer ops where they exist;
+        rank 0 of several has the followers load their shards meanwhile."""
+        if self.ranks is not None:
+            self.ranks.send("load", reply=True)
+        self._load_local()
+        if self.ranks is not None:
+            self.weights_bytes += sum(self.ranks.gather())  # the executor's, all shards
+            self.model = LeaderModel(self.model, self.ranks)
+
+    def _load_local(self) -> None:
+        """Build and load this rank's model (the whole model for one rank), then its ops."""
         super().load_model()
         if self.fused_ops is not None:
             self.model.set_layer_ops(self.fused_ops)
@@ -133,6 +160,12 @@ class GPUModelRunner(TorchModelRunner):
                     get_attention_backend(self.attention_backend),
                 )
             )
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the cache (the followers theirs first)."""
+        if self.ranks is not None:
+            self.ranks.call("kv", num_blocks)
+        super().initialize_kv_cache(num_blocks)
 
     def after_kv_cache_allocated(self) -> None:
         """Graphs captured over the old cache tensors are dropped (capture_model recaptures)."""
@@ -206,6 +239,12 @@ class GPUModelRunner(TorchModelRunner):
             return
         qsl = batch.attn.query_start_loc_host
         slots = batch.attn.slot_mapping[qsl[row] : qsl[row + 1]]
+        if self.ranks is not None:
+            self.model.scrub_slots(slots)
+        self.zero_slots(slots)
+
+    def zero_slots(self, slots: torch.Tensor) -> None:
+        """Zero these token slots in every layer's cache (keys and values)."""
         for cache in self.kv_caches:
             cache.view(2, -1, *cache.shape[3:])[:, slots] = 0
 
@@ -323,5 +362,7 @@ class GPUModelRunner(TorchModelRunner):
             batch = min(8, self.config.max_num_seqs)
             self.dummy_run(batch, batch)
         if self.device.type != "cuda" or self.fused_ops is None or not self.kv_caches:
+            return 0
+        if self.tp.size > 1:  # the followers would have to capture theirs in step: eager
             return 0
         return self.enable_decode_graphs()

@@ -12,7 +12,9 @@ from common.host.worker_base import WorkerBase
 from common.wire.config import MemoryProfile
 from common.wire.model_config import load_model_geometry
 from common.wire.step_types import StepInput, StepOutput
+from executor_gpu.follower import follower_main, threads_per_rank
 from executor_gpu.model_runner import GPUModelRunner, resolve_device
+from executor_gpu.ranks.group import RankGroup
 
 log = logging.getLogger(__name__)
 
@@ -20,26 +22,66 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 
+def kv_budget(
+    ranks: list[dict[str, int]], utilization: float, block_bytes: int, stored_heads: int
+) -> int:
+    """The executor's KV bytes from each rank's memory after profiling (``total``, ``free``,
+    ``reserved``, ``weights``, ``peak`` bytes and its ``kv_heads``): a rank may hold
+    total * utilization minus its weights, its peak activations and whatever its device holds
+    outside torch (CUDA context, other processes). Every rank stores the same blocks (its heads
+    of each), so the rank with the least room for its share bounds the blocks, each of which
+    costs the executor ``block_bytes`` (all ranks' heads, ``stored_heads`` of them)."""
+    blocks = None
+    for r in ranks:
+        outside_torch = max(0, (r["total"] - r["free"]) - r["reserved"])
+        room = int(r["total"] * utilization) - r["weights"] - r["peak"] - outside_torch
+        if len(ranks) == 1:
+            return room
+        share = block_bytes * r["kv_heads"] // stored_heads  # this rank's bytes of a block
+        fits = max(0, room) // share
+        blocks = fits if blocks is None else min(blocks, fits)
+    return (blocks or 0) * block_bytes
+
+
 class GPUWorker(WorkerBase):
-    """The worker of a GPU executor; falls back to the CPU for development."""
+    """The worker of a GPU executor; falls back to the CPU for development. With
+    ``tensor_parallel_size`` N > 1 it is rank 0 of N processes, one per device."""
+
+    ranks: RankGroup | None = None  # the follower ranks (tensor parallelism)
 
     def init_device(self) -> None:
-        """Bind the device, set torch threads, read the model geometry, create the runner."""
+        """Bind the device, set torch threads, read the model geometry, start the follower
+        ranks (tensor parallelism), create the runner."""
         device = resolve_device(self.config.device)
+        size = self.config.tensor_parallel_size
         if device.type == "cuda":
+            if size > torch.cuda.device_count() - (device.index or 0):
+                raise ValueError(
+                    f"--tensor-parallel-size {size} needs {size} CUDA devices from {device}; "
+                    f"{torch.cuda.device_count()} visible"
+                )
             torch.cuda.set_device(device)
             self.device_kind = "gpu"
             self.device_name = torch.cuda.get_device_name(device)
         else:
             self.device_kind = "cpu"
             self.device_name = platform.processor() or platform.machine() or "cpu"
-        if self.config.num_threads > 0:
-            torch.set_num_threads(self.config.num_threads)
-        self.device = device  # the bound device
+        if size > 1:
+            self.device_name = f"{self.device_name} x{size}"
+        if device.type == "cpu" and (self.config.num_threads > 0 or size > 1):
+            torch.set_num_threads(threads_per_rank(self.config))
+        self.device = device  # the bound device (rank 0's)
         geometry = load_model_geometry(
             self.config.model, self.config.max_model_len, self.config.served_model_name
         )
-        self.model_runner = GPUModelRunner(self.config, geometry)
+        if size > 1:
+            self.ranks = RankGroup.start(self.config, device, follower_main)
+        tp = self.ranks.tp if self.ranks is not None else None
+        self.model_runner = (
+            GPUModelRunner(self.config, geometry, tp=tp, ranks=self.ranks)
+            if tp is not None
+            else GPUModelRunner(self.config, geometry)
+        )
 
     def determine_available_memory(self) -> MemoryProfile:
         """KV-cache budget: on CUDA, total * gpu_memory_utilization minus the weights, the
@@ -55,17 +97,25 @@ class GPUWorker(WorkerBase):
                 peak_activation_bytes=0,
             )
         torch.cuda.empty_cache()
+        if self.ranks is not None:
+            self.ranks.call("mem_begin")
         peak = runner.profile_run()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        # Whatever the device holds that torch's allocator does not (CUDA context, other
-        # processes) also stays unavailable.
-        outside_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
-        available = (
-            int(total * self.config.gpu_memory_utilization)
-            - runner.weights_bytes
-            - peak
-            - outside_torch
+        here = {
+            "weights": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
+            "peak": peak,
+            "free": free,
+            "total": total,
+            "reserved": torch.cuda.memory_reserved(self.device),
+            "kv_heads": runner.local_kv_heads,
+        }
+        ranks = [here, *(self.ranks.call("mem_end") if self.ranks is not None else [])]
+        available = kv_budget(
+            ranks,
+            self.config.gpu_memory_utilization,
+            runner.get_kv_cache_spec().bytes_per_block,
+            runner.stored_kv_heads(),
         )
         log.info(
             "KV budget %.2f GiB (weights %.2f GiB, peak activations %.2f GiB)",
