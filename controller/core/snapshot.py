@@ -59,6 +59,7 @@ class ExecutorSnapshot:
     connect_error: str  # why connection attempts fail now ("" once connected)
     duplicate_of: str = ""  # the address of the session driving the same executor process,
     # while this one waits as its duplicate ("" otherwise)
+    tensor_parallel_size: int = 1  # devices the executor shards the model over (its handshake's)
 
     @property
     def free_blocks(self) -> int:

@@ -147,6 +147,7 @@ class ExecutorSession(StepLoop):
             source=self.source,
             kind=info.device_kind if info else None,
             device=info.device_name if info else None,
+            tensor_parallel_size=info.capabilities.tensor_parallel_size if info else 1,
             incarnation=info.incarnation_id if info else None,
             incarnations=self.incarnations,
             state=self.state.value,

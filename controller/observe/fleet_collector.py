@@ -80,6 +80,11 @@ class FleetCollector(Collector):
             "KV blocks of the executor (null block excluded)",
             labels=ex + ["state"],
         )
+        device_info = GaugeMetricFamily(
+            "tandem:executor_info",
+            "1 per connected executor: its device and how many devices it shards the model over",
+            labels=ex + ["device", "tensor_parallel_size"],
+        )
         no_executor = GaugeMetricFamily(
             "tandem:requests_waiting_for_executor",
             "Requests no healthy executor can take now",
@@ -100,6 +105,9 @@ class FleetCollector(Collector):
             total_waiting += snap.waiting
             used_blocks += snap.used_blocks
             all_blocks += blocks
+            device_info.add_metric(
+                labels + [snap.device or "", str(snap.tensor_parallel_size)], 1.0
+            )
             ex_running.add_metric(labels, snap.running)
             ex_waiting.add_metric(labels, snap.waiting)
             ex_usage.add_metric(labels, snap.kv_usage)
@@ -126,6 +134,7 @@ class FleetCollector(Collector):
             ex_waiting,
             ex_usage,
             ex_blocks,
+            device_info,
             no_executor,
         )
 

@@ -23,6 +23,7 @@ def executor_report(snap: ExecutorSnapshot, now: float | None = None) -> dict:
         "device": snap.device,
         "incarnation": snap.incarnation,
         "incarnations": snap.incarnations,
+        "tensor_parallel_size": snap.tensor_parallel_size,
         "num_blocks": snap.num_blocks,
         "block_size": snap.block_size,
         "max_num_batched_tokens": snap.max_num_batched_tokens,

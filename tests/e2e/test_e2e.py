@@ -13,30 +13,17 @@ import pytest
 
 from tests.e2e.helpers import (
     CHATS,
-    LONG_PROMPT,
     PROMPTS,
+    assert_exact_under_pressure,
     assert_no_blocks_in_use,
-    metric_sum,
+    complete_ids,
 )
-
-
-def _complete_ids(client, model, prompt, max_tokens, **kw):
-    r = client.completions.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=0,
-        extra_body={"return_token_ids": True},
-        **kw,
-    )
-    c = r.choices[0]
-    return c.model_extra["prompt_token_ids"], c.model_extra["token_ids"], r
 
 
 def test_completions_match_transformers(server, hf):
     client = server.client()
     for prompt in PROMPTS:
-        prompt_ids, ids, r = _complete_ids(client, server.model_name, prompt, 24)
+        prompt_ids, ids, r = complete_ids(client, server.model_name, prompt, 24)
         assert ids == hf.greedy(prompt_ids, 24)[: len(ids)]
         assert len(ids) == 24 or ids[-1] in (hf.tokenizer.eos_token_id,)
         assert r.usage.completion_tokens == len(ids)
@@ -293,40 +280,7 @@ def test_aborted_streams_free_their_blocks(server):
 def test_tight_server_chunked_prefill_preemption_prefix_cache(tight_server, hf):
     """48-token steps and 19 usable KV blocks: long prompts are chunked, requests are
     preempted and resumed, shared prefixes hit the cache; output stays identical."""
-    s = tight_server
-    # Distinct openings, so blocks are not shared and the pool runs out.
-    prompts = [f"{PROMPTS[i]} {LONG_PROMPT[: 100 + 40 * i]}" for i in range(4)]
-
-    async def run():
-        client = s.async_client()
-        calls = [
-            client.completions.create(
-                model=s.model_name,
-                prompt=p,
-                max_tokens=24,
-                temperature=0,
-                extra_body={"return_token_ids": True},
-            )
-            for p in prompts + prompts[:2]
-        ]
-        return await asyncio.gather(*calls)
-
-    results = asyncio.run(run())
-    for r in results:
-        c = r.choices[0]
-        assert c.model_extra["token_ids"] == hf.greedy(c.model_extra["prompt_token_ids"], 24)
-    # The long prompt alone (several hundred tokens over 48-token steps).
-    prompt_ids, ids, _ = _complete_ids(s.client(), s.model_name, LONG_PROMPT, 16)
-    assert len(prompt_ids) > 150
-    assert ids == hf.greedy(prompt_ids, 16)
-    # The same long prompt again: a prefix-cache hit, same output.
-    _, again, r = _complete_ids(s.client(), s.model_name, LONG_PROMPT, 16)
-    assert again == ids
-    assert r.usage.prompt_tokens_details.cached_tokens > 0
-    metrics = httpx.get(s.base_url + "/metrics").text
-    assert metric_sum(metrics, "vllm:num_preemptions_total") > 0
-    assert metric_sum(metrics, "vllm:prefix_cache_hits_total") > 0
-    assert_no_blocks_in_use(s)
+    assert_exact_under_pressure(tight_server, hf)
 
 
 def test_min_tokens_holds_back_eos(server, hf):

@@ -142,6 +142,7 @@ def test_admin_report_is_a_function_of_a_snapshot():
         "device": "H100",
         "incarnation": "i1",
         "incarnations": 1,
+        "tensor_parallel_size": 1,
         "num_blocks": 101,
         "block_size": 16,
         "max_num_batched_tokens": 2048,
