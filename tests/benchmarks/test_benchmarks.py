@@ -236,3 +236,23 @@ def test_gpu_step_benchmark_smoke_on_the_cpu(tmp_path):
     assert {(1, 20, "graph"), (3, 20, "fused"), (3, 40, "graph")} <= variants
     assert all(r["ms"] > 0 and r["kv_bytes"] > 0 for r in report["forward"])
     assert report["executor_step_ms"] > 0
+
+
+def test_tp_step_benchmark_measures_both_sizes_and_models_the_traffic(tmp_path):
+    """TP=1 and TP=2 timed in one run (CPU, gloo) with their ratio; the traffic model's rows."""
+    from benchmarks.tp_step import SHAPES, traffic_bytes
+
+    out = tmp_path / "tp_step.json"
+    run = run_script(
+        ["benchmarks/tp_step.py", "--batch-sizes", "1,4", "--context", "32", "--json", str(out)],
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert [r["batch"] for r in report["measured"]] == [1, 4]
+    assert all(r["tp1_ms"] > 0 and r["tp2_ms"] > 0 and r["ratio"] > 0 for r in report["measured"])
+    assert len(report["modelled"]) == 2 * 2 * 3
+    # Llama-3-8B, one decode token over 2 ranks: 65 all-reduces of 4096 bf16 values, each
+    # rank sending half of the tensor twice (ring), plus half the vocabulary's float32 logits.
+    assert traffic_bytes(SHAPES["llama3-8b"], 1, 1, 2, 2) == 65 * 4096 * 2 + 64128 * 4
+    assert traffic_bytes(SHAPES["llama3-8b"], 1, 1, 1, 2) == 0
