@@ -226,18 +226,16 @@ class RankGroup:
 
 
 def collective_guard(group: RankGroup, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` (which runs collectives) with a failure inside treated as a lost rank when a
-    follower is gone (the executor exits) rather than as the step's own failure."""
+    """``fn`` (which runs collectives) with any failure inside ending the executor: once one
+    rank has left a collective sequence the others are in, no later collective can be
+    trusted to pair with its own (a follower would pair this step's all-reduce with the next
+    one's), so the executor exits and the controller moves its requests, as for a lost rank."""
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
-            deadline = time.monotonic() + 1.0  # a killed follower is reaped within moments
-            while time.monotonic() < deadline:
-                if any(not p.is_alive() for p in group.processes):
-                    group.rank_lost(repr(exc))
-                time.sleep(0.05)
+            group.rank_lost(f"a collective call failed: {exc!r}")
             raise
 
     return guarded
