@@ -296,12 +296,12 @@ def test_mixed_pools_and_hpa(rendered):
     m = rendered["mixed-values.yaml"]
     gpu, tpu = m.get("StatefulSet", GPU), m.get("StatefulSet", TPU)
     assert container(gpu, "executor")["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert container(tpu, "executor")["resources"]["limits"]["google.com/tpu"] == 4
+    assert container(tpu, "executor")["resources"]["limits"]["google.com/tpu"] == 1
     assert flag_values(container(gpu, "executor")["args"], "--tensor-parallel-size") == ["1"]
-    assert flag_values(container(tpu, "executor")["args"], "--tensor-parallel-size") == ["4"]
+    assert flag_values(container(tpu, "executor")["args"], "--tensor-parallel-size") == ["1"]
     assert (
         tpu["spec"]["template"]["spec"]["nodeSelector"]["cloud.google.com/gke-tpu-topology"]
-        == "2x2"
+        == "1x1"
     )
     assert "replicas" not in gpu["spec"] and tpu["spec"]["replicas"] == 1
     hpa = m.get("HorizontalPodAutoscaler", GPU)
@@ -643,7 +643,7 @@ def test_notes(renderer, tmp_path):
     assert "kubectl -n llm port-forward svc/tandem-controller 8000:8000" in notes
     gpu_pool = f"gpu pool: {GPU_DNS} (replicas: 1 to 3, autoscaled)"
     assert f"{gpu_pool}, each one executor over 1 GPU(s)" in notes
-    assert f"tpu pool: {TPU_DNS} (replicas: 1), each one executor over 4 TPU chip(s)" in notes
+    assert f"tpu pool: {TPU_DNS} (replicas: 1), each one executor over 1 TPU chip(s)" in notes
     assert "static: gpu-box-1.lab.internal:50051" in notes
     assert '"model": "SmolLM2-135M-Instruct"' in notes
     assert "apiVersion" not in notes
