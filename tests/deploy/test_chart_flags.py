@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -66,8 +67,9 @@ class Parse:
     error: str  # the error line it printed when it refused them (exit status 2)
 
 
-def program_of(c: dict) -> str | None:
-    """The module a container runs (python -m MODULE), or None for a non-Tandem image."""
+def program_of(c: dict) -> tuple[str, list[str]] | None:
+    """The module a container runs (python -m MODULE) and its whole argument list (what its
+    command adds after the module, then its args); None for a non-Tandem image."""
     name = re.split(r"[:@]", c["image"].rsplit("/", 1)[-1])[0]
     if not (ROOT / "docker" / f"{name}.Dockerfile").exists():
         return None  # e.g. the model-fetch init container of the mixed values
@@ -75,13 +77,11 @@ def program_of(c: dict) -> str | None:
     if command is None:
         (entrypoint,) = dockerfile(name)[-1].all("ENTRYPOINT")
         command = json.loads(entrypoint)
-    assert command[:2] == ["python", "-m"] and len(command) == 3, command
-    return command[2]
+    assert command[:2] == ["python", "-m"] and len(command) >= 3, command
+    return command[2], command[3:] + c.get("args", [])
 
 
 def settings_class(module: str) -> type:
-    import importlib
-
     assert module in PROGRAMS, f"no settings class known for python -m {module}"
     where, name, _ = PROGRAMS[module]
     return getattr(importlib.import_module(where), name)
@@ -121,6 +121,20 @@ def stub_missing(args: list[str], moved: dict[str, str]) -> list[str]:
     return out
 
 
+def load(module: str, argv: list[str], environ: dict[str, str]) -> tuple[object | None, str]:
+    """(settings, "") as `python -m module` loads them, or (None, its error line) when it
+    would exit with a usage error."""
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            return settings_class(module).load(
+                argv, prog=f"python -m {module}", environ=environ
+            ), ""
+    except SystemExit as exit:
+        assert exit.code == 2, exit.code  # a usage error, as the program would exit
+        return None, stderr.getvalue().strip().splitlines()[-1]  # the line after the usage
+
+
 def parse_all(m: Manifest, tmp_path: Path, monkeypatch) -> list[Parse]:
     """Every Tandem container of the manifest through its program's loader."""
     from controller.settings import ADMIN_API_KEY_ENV, API_KEY_ENV
@@ -132,23 +146,15 @@ def parse_all(m: Manifest, tmp_path: Path, monkeypatch) -> list[Parse]:
     for workload in m.all("Deployment") + m.all("StatefulSet"):
         pod = workload["spec"]["template"]["spec"]
         for c in pod.get("initContainers", []) + pod["containers"]:
-            module = program_of(c)
-            if module is None:
+            program = program_of(c)
+            if program is None:
                 continue
+            module, argv = program
             where = f"{workload['metadata']['name']}/{c['name']}"
             moved = mount_secrets(m, pod, c, tmp_path / where.replace("/", "_"))
-            args = stub_missing(list(c.get("args", [])), moved)
+            # Literal values only: valueFrom entries come from the cluster.
             environ = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
-            stderr = io.StringIO()
-            settings, error = None, ""
-            try:
-                with contextlib.redirect_stderr(stderr):
-                    settings = settings_class(module).load(
-                        args, prog=f"python -m {module}", environ=environ
-                    )
-            except SystemExit as exit:
-                assert exit.code == 2, exit.code  # a usage error, as the program would exit
-                error = stderr.getvalue().strip().splitlines()[-1]  # after the usage text
+            settings, error = load(module, stub_missing(argv, moved), environ)
             out.append(Parse(where, module, c, settings, error))
     return out
 
