@@ -21,6 +21,13 @@ FROM python:3.11.13-slim-bookworm
 LABEL org.opencontainers.image.title="tandem-executor-gpu" \
       org.opencontainers.image.description="Tandem GPU executor (CUDA torch, gRPC)" \
       org.opencontainers.image.licenses="Apache-2.0"
+# Triton (torch's kernel compiler on CUDA) builds a small C launcher with the system C compiler
+# the first time it launches a kernel, against the C library's and Python's headers (Python's
+# come with the base image): without a compiler that first launch fails.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && apt-get clean \
+ && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 tandem \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
       --shell /usr/sbin/nologin tandem

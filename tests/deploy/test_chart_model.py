@@ -13,7 +13,8 @@ from tests.deploy.chart_render import (
     validate_k8s,
     volume,
 )
-from tests.deploy.test_chart import CTRL, DEFAULT_OBJECTS, GPU, TPU, _check_flags
+from tests.deploy.test_chart import CTRL, DEFAULT_OBJECTS, GPU, TPU
+from tests.deploy.test_chart_flags import check_programs
 
 DEFAULT_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 CACHE = "/var/cache/huggingface"
@@ -25,14 +26,14 @@ def _servers(m: Manifest) -> list[tuple[dict, dict]]:
     return out + [(s, container(s, "executor")) for s in m.all("StatefulSet")]
 
 
-def test_the_default_values_install(renderer, monkeypatch):
+def test_the_default_values_install(renderer, tmp_path, monkeypatch):
     """`helm install` with no values: it renders, every object passes the Kubernetes schemas,
     and each program takes the flags its pod is given."""
     m = renderer.render(None)
     assert m.kinds_names() == DEFAULT_OBJECTS
     for doc in m.docs:
         validate_k8s(doc)
-    assert _check_flags(m, monkeypatch) == 2
+    assert check_programs(m, tmp_path, monkeypatch) == 2
     for workload, c in _servers(m):
         assert flag_values(c["args"], "--model") == [DEFAULT_ID]
         assert flag_values(c["args"], "--served-model-name") == [DEFAULT_ID]
@@ -57,7 +58,7 @@ def test_hf_with_revision_token_secret_and_cache_claim(renderer, tmp_path, monke
     m = renderer.render(
         "mixed-values.yaml", {"model": {"source": "hf", "hf": hf}}, tmp_path=tmp_path
     )
-    assert _check_flags(m, monkeypatch) == 3
+    assert check_programs(m, tmp_path / "pods", monkeypatch) == 3
     for workload, c in _servers(m):
         validate_k8s(workload)
         args = c["args"]

@@ -4,7 +4,7 @@ Each image: pinned base images, a numeric non-root USER that the chart's securit
 matches, exec-form ENTRYPOINT of its service, the port the chart's values use, exactly its
 pyproject extra (the controller's: `controller`, so no torch), stubs generated at build time, and
 a per-Dockerfile .dockerignore that lets in only what the image needs. `make images` builds the
-tags the chart's values point at.
+tags the chart's values point at. The GPU image carries the C compiler Triton needs at run time.
 """
 
 from __future__ import annotations
@@ -93,6 +93,17 @@ def pip_requirements(stages: list[Stage]) -> list[str]:
                     start = words.index("install") + 1
                     reqs += [w.strip("\"'") for w in words[start:] if not w.startswith("-")]
     return reqs
+
+
+def apt_installs(stage: Stage) -> list[tuple[str, list[str]]]:
+    """(the RUN, the packages) of every `apt-get install` in a stage's RUN instructions."""
+    found = []
+    for run in stage.all("RUN"):
+        for command in re.split(r"&&|;|\|\|", run):
+            words = command.split()
+            if words[:2] == ["apt-get", "install"]:
+                found.append((run, [w for w in words[2:] if not w.startswith("-")]))
+    return found
 
 
 def dockerignore_admits(patterns: list[str], path: str) -> bool:
@@ -244,6 +255,19 @@ def test_gpu_image_asks_for_the_driver():
     env = " ".join(dockerfile("executor-gpu")[-1].all("ENV"))
     assert "NVIDIA_VISIBLE_DEVICES=all" in env
     assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in env
+
+
+def test_gpu_image_has_the_c_compiler_triton_needs():
+    """Triton compiles a C launcher with the system compiler at its first kernel launch: the
+    runtime stage installs one (gcc, the C library's headers), lean and without apt's lists."""
+    installs = apt_installs(dockerfile("executor-gpu")[-1])
+    packages = {p for _, pkgs in installs for p in pkgs}
+    assert {"gcc", "libc6-dev"} <= packages, packages
+    for run, _ in installs:
+        steps = [c.split() for c in re.split(r"&&", run)]
+        assert steps[0][:2] == ["apt-get", "update"], run  # in the same layer as the install
+        assert all("--no-install-recommends" in s for s in steps if s[:2] == ["apt-get", "install"])
+        assert steps[-1] == ["rm", "-rf", "/var/lib/apt/lists/*"], run  # no package lists kept
 
 
 @pytest.mark.parametrize("image", sorted(IMAGES))
