@@ -20,6 +20,7 @@ import time
 import httpx
 import pytest
 
+from tests.e2e.helpers import metric_sum
 from tests.e2e.prom import PrometheusServer, promtool_problems
 from tests.support.processes import (
     ROOT,
@@ -37,6 +38,11 @@ DASHBOARD = os.path.join(ROOT, "charts/tandem/dashboards/tandem-overview.json")
 RATE_WINDOW = "1m"  # stands for $__rate_interval: covers the whole load
 LOAD_SECONDS = 24.0
 KILL_AFTER = 14.0
+# The TPU executor is killed only once it has run this many steps (a loaded machine can leave
+# it without a finished request at KILL_AFTER, and then its panels rightly have no data); the
+# load goes on until the kill, for at most LOAD_LIMIT seconds.
+TPU_STEPS_BEFORE_KILL = 10
+LOAD_LIMIT = 120.0
 CONCURRENCY = 8
 # Panels whose series are split by accelerator kind: both kinds must show up.
 BY_ACCELERATOR = (
@@ -64,8 +70,11 @@ def panel_queries() -> list[tuple[str, str]]:
     return out
 
 
-async def _load(base_url: str, model: str, until: float, kill_at: float, kill) -> list[str]:
-    """Streaming completions from CONCURRENCY workers until `until`; `kill()` at `kill_at`.
+async def _load(
+    base_url: str, model: str, until: float, kill_at: float, kill, may_kill
+) -> list[str]:
+    """Streaming completions from CONCURRENCY workers until `until`; `kill()` at `kill_at` or
+    later, once `may_kill()` says so (the load goes on until then, LOAD_LIMIT at most).
     Returns the failures (there must be none)."""
     rng = random.Random(7)
     docs = [
@@ -74,11 +83,12 @@ async def _load(base_url: str, model: str, until: float, kill_at: float, kill) -
     ]
     failures: list[str] = []
     killed = False
+    limit = kill_at + LOAD_LIMIT
 
     async def worker(client: httpx.AsyncClient) -> None:
         nonlocal killed
-        while time.monotonic() < until:
-            if not killed and time.monotonic() >= kill_at:
+        while time.monotonic() < until or (not killed and time.monotonic() < limit):
+            if not killed and time.monotonic() >= kill_at and may_kill():
                 killed = True
                 kill()
             body = {
@@ -166,6 +176,18 @@ def test_every_dashboard_panel_has_data(default_model_dir, tmp_path):
             tpu_exposition["text"] = httpx.get(f"http://127.0.0.1:{tpu_metrics}/metrics").text
             os.killpg(tpu.pid, signal.SIGKILL)
 
+        checked = {"at": 0.0, "ok": False}
+
+        def tpu_has_served() -> bool:
+            """Whether the TPU executor has run TPU_STEPS_BEFORE_KILL steps (asked twice a
+            second at most)."""
+            if not checked["ok"] and time.monotonic() - checked["at"] > 0.5:
+                checked["at"] = time.monotonic()
+                text = httpx.get(f"http://127.0.0.1:{tpu_metrics}/metrics", timeout=5).text
+                steps = metric_sum(text, "tandem:executor_step_seconds_count")
+                checked["ok"] = steps >= TPU_STEPS_BEFORE_KILL
+            return checked["ok"]
+
         start = time.monotonic()
         failures = asyncio.run(
             _load(
@@ -174,6 +196,7 @@ def test_every_dashboard_panel_has_data(default_model_dir, tmp_path):
                 start + LOAD_SECONDS,
                 start + KILL_AFTER,
                 kill_tpu,
+                tpu_has_served,
             )
         )
         assert not failures, failures[:5]
