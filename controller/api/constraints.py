@@ -13,11 +13,12 @@ GenerationRequest for the step that will carry masks to the executors.
 from __future__ import annotations
 
 import asyncio
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.api.errors import APIError
+from controller.api.errors import MAX_QUOTE, APIError
 from controller.api.structured import ChatTool, NamedToolChoice, ResponseFormat, StructuredOutputs
 from controller.text.grammar import (
     CompiledGrammar,
@@ -31,6 +32,13 @@ from controller.text.grammar import (
 )
 
 COMPILE_THREADS = 2  # grammars compiled at once (the rest wait their turn)
+# The engine's reasons quote the client's text: each quoted run is cut to MAX_QUOTE characters.
+_LONG_QUOTE = re.compile("([\"'])([^\"']{" + str(MAX_QUOTE) + "})[^\"']+")
+
+
+def _reason(exc: Exception) -> str:
+    """The engine's reason, quoting at most MAX_QUOTE characters of the client's text."""
+    return _LONG_QUOTE.sub(r"\1\2...", str(exc))
 
 
 @dataclass
@@ -137,7 +145,9 @@ class ConstraintCompiler:
         except GrammarTooLarge as exc:
             raise APIError(f"{param}: {exc}", 400, param, "grammar_too_large") from None
         except GrammarError as exc:
-            raise APIError(f"Invalid {param}: {exc}", 400, param, "invalid_grammar") from None
+            raise APIError(
+                f"Invalid {param}: {_reason(exc)}", 400, param, "invalid_grammar"
+            ) from None
 
     async def request_grammars(
         self,

@@ -219,6 +219,14 @@ def test_refused_constraints_are_400_with_the_reason(tokenizer, request_, param,
     assert engine.gens == []  # nothing was queued
 
 
+def test_refusals_quote_little_of_the_clients_text(tokenizer):
+    _, _, app = _app(tokenizer)
+    regex = "(" + "a" * 5000
+    (r,) = _post_all(app, [completion(structured_outputs={"regex": regex})])
+    message = _error(r)["message"]
+    assert "a" * 101 not in message and len(message) < 1000
+
+
 MISSHAPEN = [
     chat(response_format={"type": "json_schema"}),
     chat(response_format={"type": "xml"}),
