@@ -231,7 +231,10 @@ class GrammarCompiler:
         self._tokenizer_json = tokenizer_json  # the model's tokenizer.json text
         self._eos = list(eos_token_ids)  # ids that end the output once the grammar allows
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._lock = threading.Lock()  # guards the cache and the lazy tokenizer
+        self._lock = threading.Lock()  # guards the cache (held for dictionary work only)
+        # Guards the lazy tokenizer apart: building it takes up to seconds, and the event
+        # loop's cache lookups must not wait for that.
+        self._tokenizer_lock = threading.Lock()
         self._cache: OrderedDict[Constraint, CompiledGrammar] = OrderedDict()
         self.stats = CacheStats()  # hits, misses, evictions, what is held
 
@@ -246,7 +249,7 @@ class GrammarCompiler:
         return cls(backend.to_str(), tokenizer.vocab_size, eos, limits)
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
-        with self._lock:
+        with self._tokenizer_lock:
             if self._tokenizer is None:
                 self._tokenizer = llguidance.LLTokenizer(
                     self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos or None
