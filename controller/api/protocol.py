@@ -18,6 +18,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # configurable bounds (--max-request-sequences, --max-request-prompt-tokens) apply after.
 MAX_PROMPTS = 1 << 16  # prompts in one request, whatever the settings
 MAX_PROMPT_IDS = 1 << 22  # token ids in one request's prompts (a 4 MiB body holds ~2M)
+MAX_TOOLS = 1 << 14  # tools in one request, whatever the settings (each is a typed model)
 
 
 class StreamOptions(BaseModel):
@@ -114,6 +115,15 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = None  # functions the model may call (and the template shows)
     tool_choice: ToolChoice | None = None  # none | auto | required | a named function
     parallel_tool_calls: bool | None = None  # several calls in one answer (default: allowed)
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _check_tools_shape(cls, v):
+        # Counted on the raw JSON: pydantic would build a typed model (or an error) per item
+        # first; --max-tools applies after.
+        if isinstance(v, list) and len(v) > MAX_TOOLS:
+            raise ValueError(f"at most {MAX_TOOLS} tools")
+        return v
 
 
 class TokenizeRequest(BaseModel):

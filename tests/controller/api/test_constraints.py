@@ -66,3 +66,14 @@ def test_tool_constraints():
     other = NamedToolChoice.model_validate({"type": "function", "function": {"name": "z"}})
     with pytest.raises(APIError):
         tool_constraints(tools, other)
+
+
+def test_tool_count_is_bounded_before_pydantic_types_each():
+    from pydantic import ValidationError
+
+    from controller.api.protocol import MAX_TOOLS, ChatCompletionRequest
+
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(ValidationError) as exc:
+        ChatCompletionRequest.model_validate({**body, "tools": [{"function": 7}] * (MAX_TOOLS + 1)})
+    assert exc.value.error_count() == 1
