@@ -252,6 +252,21 @@ class ControllerConfig(ModelSourceSettings):
         4096, "most messages in one chat request", group=REQUEST_LIMITS, ge=1
     )
     max_tools: int = setting(128, "most tools in one chat request", group=REQUEST_LIMITS)
+    # Structured output: a constraint's text bounds its compile time (llguidance compiles a
+    # realistic schema in milliseconds; the text size is what a client can inflate).
+    max_grammar_chars: int = setting(
+        64 << 10,
+        "longest structured-output constraint (JSON schema, regex, grammar, choices, a tool's "
+        "parameters), in characters",
+        group=REQUEST_LIMITS,
+        ge=1,
+    )
+    grammar_cache_entries: int = setting(
+        256, "compiled grammars kept for reuse (0 = none)", group=REQUEST_LIMITS, ge=0
+    )
+    grammar_cache_mib: int = setting(
+        64, "estimated MiB of compiled grammars kept for reuse", group=REQUEST_LIMITS, ge=0
+    )
     # A client whose socket takes nothing for this long is gone or stalled: its response is
     # aborted and its KV blocks freed, instead of generating into buffers nobody reads.
     stream_stall_timeout: float = setting(

@@ -4,10 +4,11 @@ body, so the work is linear in what the limits allow."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.wire.request_ids import sequence_id
 from common.wire.step_types import SamplingParams
+from controller.api.constraints import RequestGrammars
 from controller.api.errors import APIError
 from controller.api.formats import Prompt
 from controller.api.protocol import _SamplingFields
@@ -38,6 +39,7 @@ class BuildOptions:
     stop: list[str]  # stop strings, bounded
     stop_token_ids: list[int]  # stop token ids, bounded and in the vocabulary
     base_id: str  # the request's unique id; sequence ids derive from it
+    grammars: RequestGrammars = field(default_factory=RequestGrammars)  # compiled constraints
 
 
 def sampling_params(
@@ -120,6 +122,8 @@ def generation_requests(
                     skip_special_tokens=req.skip_special_tokens,
                     priority=req.priority,
                     stream=bool(req.stream),
+                    grammar=opts.grammars.output,
+                    tool_grammars=opts.grammars.tools,
                 )
             )
     return gens

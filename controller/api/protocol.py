@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from controller.api.shapes import check_prompt_shape
+from controller.api.structured import ChatTool, ResponseFormat, StructuredOutputs, ToolChoice
 
 MAX_N = 16  # most choices per prompt
 # Integers bound for int32 fields of the executor protocol (or compared with them) must fit.
@@ -17,6 +18,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # configurable bounds (--max-request-sequences, --max-request-prompt-tokens) apply after.
 MAX_PROMPTS = 1 << 16  # prompts in one request, whatever the settings
 MAX_PROMPT_IDS = 1 << 22  # token ids in one request's prompts (a 4 MiB body holds ~2M)
+MAX_TOOLS = 1 << 14  # tools in one request, whatever the settings (each is a typed model)
 
 
 class StreamOptions(BaseModel):
@@ -52,6 +54,9 @@ class _SamplingFields(BaseModel):
     priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)  # lower = earlier (policy)
     return_token_ids: bool = False  # add prompt_token_ids / token_ids to each choice
     user: str | None = None  # accepted, unused
+    # Structured output (compiled and validated; generation does not apply it yet).
+    response_format: ResponseFormat | None = None  # OpenAI: text, json_object, json_schema
+    structured_outputs: StructuredOutputs | None = None  # vLLM: json, regex, choice, grammar
 
     @field_validator("stop")
     @classmethod
@@ -107,7 +112,18 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True  # end the prompt with the assistant's turn
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
     logit_bias: dict[str, float] | None = None  # unsupported unless empty
-    tools: list[dict[str, Any]] | None = None  # passed to the template
+    tools: list[ChatTool] | None = None  # functions the model may call (and the template shows)
+    tool_choice: ToolChoice | None = None  # none | auto | required | a named function
+    parallel_tool_calls: bool | None = None  # several calls in one answer (default: allowed)
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _check_tools_shape(cls, v):
+        # Counted on the raw JSON: pydantic would build a typed model (or an error) per item
+        # first; --max-tools applies after.
+        if isinstance(v, list) and len(v) > MAX_TOOLS:
+            raise ValueError(f"at most {MAX_TOOLS} tools")
+        return v
 
 
 class TokenizeRequest(BaseModel):

@@ -6,6 +6,8 @@ Each stage is bounded before the next one allocates:
    messages and tools;
 2. the prompt: text longer than the token bound can cover is refused before it is tokenized,
    then its token count is bounded;
+2b. structured-output constraints (constraints.py): each bounded in size, then compiled off
+   the event loop (or found in the cache); a refused one is a 400;
 3. admission (admission.py): the request takes its share of the queue bounds, 429 beyond them,
    and keeps it while it waits for an executor;
 4. waiting for a healthy executor: at most --no-executor-timeout (then 503); a shutdown or the
@@ -27,6 +29,7 @@ from controller.api import formats
 from controller.api import request_limits as limits
 from controller.api.admission import Admission, AdmissionLimits, AdmissionRejected, Ticket
 from controller.api.building import BuildOptions, generation_requests, token_limit
+from controller.api.constraints import ConstraintCompiler, grammar_limits
 from controller.api.deltas import DeltaQueue
 from controller.api.errors import APIError, encodable, quote
 from controller.api.formats import Prompt
@@ -41,6 +44,7 @@ from controller.api.streaming import (
     sse_events,
 )
 from controller.fleet.engine import Engine
+from controller.text.grammar import GrammarCompiler
 from controller.text.text_bound import chars_per_token_bound, text_limit
 from controller.text.tokenizer import Tokenizer
 
@@ -69,6 +73,9 @@ class OpenAIServing:
         self.limits = limits.RequestLimits.from_config(engine.config, max_logprobs)  # per request
         # Most characters one token covers (None: no such bound for this tokenizer).
         self.chars_per_token = chars_per_token_bound(getattr(tokenizer, "backend", None))
+        # Structured-output constraints, compiled (and cached) before a request is queued.
+        grammars = GrammarCompiler.for_tokenizer(tokenizer, grammar_limits(engine.config))
+        self.constraints = ConstraintCompiler(grammars)
 
     @property
     def max_logprobs(self) -> int:
@@ -313,6 +320,9 @@ class OpenAIServing:
         opts = self._options(req, req.max_tokens, req.logprobs, prompt_lp, http)
         self.check_draining()
         prompts = self._completion_prompts(req)
+        opts.grammars = await self.constraints.request_grammars(
+            req.response_format, req.structured_outputs
+        )
         meta = formats.ResponseMeta(
             f"cmpl-{request_ids(http.scope).public}", int(time.time()), self.model_name
         )
@@ -335,10 +345,14 @@ class OpenAIServing:
         opts = self._options(req, max_tokens, logprobs, None, http)
         self.check_draining()
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        tools = None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools]
         text = self.render_chat(
-            messages, req.add_generation_prompt, req.tools, req.chat_template_kwargs
+            messages, req.add_generation_prompt, tools, req.chat_template_kwargs
         )
         ids = self.encode(text, "messages", add_special_tokens=False, tokens=self._prompt_bound())
+        opts.grammars = await self.constraints.request_grammars(
+            req.response_format, req.structured_outputs, req.tools, req.tool_choice
+        )
         prompt = Prompt(ids, text)
         meta = formats.ResponseMeta(
             f"chatcmpl-{request_ids(http.scope).public}", int(time.time()), self.model_name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from common.wire.step_types import SamplingParams, TokenLogprobs
 
@@ -23,6 +24,11 @@ class GenerationRequest:
     skip_special_tokens: bool = True  # leave special tokens out of the text
     priority: int = 0  # lower = more urgent (priority scheduling only)
     stream: bool = True  # hand over every step's delta; False: the first, then one at the end
+    # The output's compiled constraint (a controller.text.grammar.CompiledGrammar; core
+    # imports no text) and the tools' compiled parameters by name. Not applied yet: the step
+    # does not carry masks, so generation is unconstrained.
+    grammar: Any = None
+    tool_grammars: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -256,3 +257,27 @@ def test_tp_step_benchmark_measures_both_sizes_and_models_the_traffic(tmp_path):
     # rank sending half of the tensor twice (ring), plus half the vocabulary's float32 logits.
     assert traffic_bytes(SHAPES["llama3-8b"], 1, 1, 2, 2) == 65 * 4096 * 2 + 64128 * 4
     assert traffic_bytes(SHAPES["llama3-8b"], 1, 1, 1, 2) == 0
+
+
+def test_grammar_engines_runs_and_grows_a_valid_vocabulary(default_model_dir, tmp_path):
+    """grammar_engines.py on the chosen engine at 49k, and its 150k vocabulary a valid BPE
+    tokenizer (the extra engines are not project dependencies)."""
+    from tokenizers import Tokenizer
+
+    from benchmarks.grammar_engines import extend_vocab, token_bytes
+
+    base = json.loads((Path(default_model_dir) / "tokenizer.json").read_text())
+    grown = extend_vocab(base, 50_000)
+    tok = Tokenizer.from_str(json.dumps(grown))
+    assert tok.get_vocab_size() == 50_000 and len(token_bytes(grown)) == 50_000
+    text = "The quick brown fox"
+    assert tok.decode(tok.encode(text).ids) == text
+    out = tmp_path / "g.json"
+    args = ["benchmarks/grammar_engines.py", "--engines", "llguidance", "--vocabs", "49k"]
+    args += ["--model-dir", default_model_dir, "--workdir", str(tmp_path), "--json", str(out)]
+    done = run_script(args, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (result,) = json.loads(out.read_text()).values()
+    llg = result["llguidance"]
+    assert llg["torch_imported"] is False
+    assert llg["json"]["accepting"] and llg["regex"]["accepting"]
