@@ -38,6 +38,7 @@ from executor_tpu.attention import (
     plain_layout,
 )
 from executor_tpu.compile_watch import CompileWatch, persistent_cache_counters
+from executor_tpu.head_groups import round_up
 from executor_tpu.options import TPUOptions
 from executor_tpu.sampler import (
     VARIANTS,
@@ -48,6 +49,7 @@ from executor_tpu.sampler import (
     token_logprobs,
     unpack_logprobs,
 )
+from executor_tpu.spmd import SpmdMesh
 from executor_tpu.static_batch import (
     BucketPlan,
     StaticStep,
@@ -55,6 +57,7 @@ from executor_tpu.static_batch import (
     pick_bucket,
     plan_buckets,
 )
+from executor_tpu.tp_model import KV_SPEC, shard_model
 from executor_tpu.warmup import FabricatedRun, warmup_runs
 
 log = logging.getLogger(__name__)
@@ -89,24 +92,45 @@ class TPUModelRunner(TorchModelRunner):
         geometry: ModelGeometry,
         options: TPUOptions,
         device: torch.device,
+        mesh: SpmdMesh | None = None,
     ):
         super().__init__(config, geometry, device, batch_device="cpu")
         self.options = options  # buckets, attention, layout, cache
-        attention = options.attention
-        if attention == "auto":
-            attention = "ragged" if is_tpu(device) and kernel_available() else "gather"
+        self.mesh = mesh  # the SPMD mesh the model is sharded over; None = one device
+        self.chip_weights_bytes = 0  # weights one chip holds (set by load_model)
+        attention = self._attention(options.attention)
         self.attention_backend = f"xla_{attention}"
         padded = options.kv_layout == "padded" or (
             options.kv_layout == "auto" and attention == "ragged"
         )
-        self.layout = (
-            kernel_layout(geometry.num_kv_heads, geometry.head_dim, self.precision.kv_bytes)
-            if padded
-            else plain_layout(geometry.num_kv_heads, geometry.head_dim)
-        )
+        if mesh is not None:
+            # Whole KV heads per device: padded up to a multiple of the devices (head_groups).
+            self.layout = plain_layout(
+                round_up(geometry.num_kv_heads, mesh.size), geometry.head_dim
+            )
+        elif padded:
+            self.layout = kernel_layout(
+                geometry.num_kv_heads, geometry.head_dim, self.precision.kv_bytes
+            )
+        else:
+            self.layout = plain_layout(geometry.num_kv_heads, geometry.head_dim)
         self.compile_watch = CompileWatch()  # compilations during / after warm-up
         self.max_blocks = self._table_width()  # block-table width (fixed per warm-up)
         self._unseeded_draws = 0  # noise keys handed to unseeded rows since reset()
+
+    def _attention(self, option: str) -> str:
+        """The attention path: the ragged kernel on a TPU (one chip), else the gather path."""
+        if self.mesh is not None:
+            # The Pallas kernel is not partitioned by GSPMD: under SPMD it would need a manual
+            # (per-device) region, which is not built yet.
+            if option == "ragged":
+                raise ValueError(
+                    "--attention ragged is not supported with --tensor-parallel-size > 1"
+                )
+            return "gather"
+        if option == "auto":
+            return "ragged" if is_tpu(self.device) and kernel_available() else "gather"
+        return option
 
     # --- shapes ---------------------------------------------------------------------------
 
@@ -134,6 +158,7 @@ class TPUModelRunner(TorchModelRunner):
             request_buckets=list(plan.request_buckets),
             max_num_seqs=plan.max_seqs,
             max_logprobs=self.config.max_logprobs,
+            tensor_parallel_size=self.config.tensor_parallel_size,
         )
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
@@ -157,7 +182,21 @@ class TPUModelRunner(TorchModelRunner):
         return "cpu"
 
     def place_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        model = model.to(self.device)
+        if self.mesh is None:
+            model = model.to(self.device)
+            self.chip_weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        else:
+            self.chip_weights_bytes, groups = shard_model(model, self.mesh, self.device)
+            log.info(
+                "sharded over %d devices: %d query / %d KV heads per device (%d / %d padded), "
+                "%.1f MiB of weights per device",
+                self.mesh.size,
+                groups.local_heads,
+                groups.local_kv_heads,
+                groups.padded_heads - groups.num_heads,
+                groups.padded_kv_heads - groups.num_kv_heads,
+                self.chip_weights_bytes / 2**20,
+            )
         torch_xla.sync()
         return model
 
@@ -165,6 +204,10 @@ class TPUModelRunner(TorchModelRunner):
         return self.layout.shape(num_blocks, self.config.block_size)
 
     def after_kv_cache_allocated(self) -> None:
+        if self.mesh is not None:
+            # Annotated while still lazy: each device materializes only its heads.
+            for cache in self.kv_caches:
+                self.mesh.shard(cache, KV_SPEC)
         torch_xla.sync()
         self.max_blocks = self._table_width()
 
