@@ -262,15 +262,23 @@ class TPUModelRunner(TorchModelRunner):
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Move the inputs, run forward / sampling / prompt logprobs, fetch the results."""
         d, hidden, logits, row_ok = self.forward_step({**step.arrays(), **sampling.arrays()})
-        packed = sample(logits, row_ok, d, sampling.variant, self.config.max_logprobs)
+        packed = self._to_host(
+            sample(logits, row_ok, d, sampling.variant, self.config.max_logprobs)
+        )
         torch_xla.sync()
         prompt = None
         if with_prompt_logprobs:
             prompt = token_logprobs(
                 self.model.compute_logits(hidden), d["prompt_lp_targets"], self.config.max_logprobs
             )
+            prompt = self._to_host(prompt)
             torch_xla.sync()
         return packed.cpu().numpy(), None if prompt is None else prompt.cpu().numpy()
+
+    def _to_host(self, result: torch.Tensor) -> torch.Tensor:
+        """A result the host will fetch: under SPMD, computed whole on every device (else its
+        copy to the host would run a program of its own to gather the shards)."""
+        return result if self.mesh is None else self.mesh.replicate(result)
 
     def forward_step(self, arrays: dict[str, np.ndarray]):
         """Move ``arrays`` (a StaticStep's, plus anything later programs read) in one batch and

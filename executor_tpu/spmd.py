@@ -56,6 +56,13 @@ class SpmdMesh:
             xs.mark_sharding(tensor, self.mesh, spec)
         return tensor
 
+    def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Annotate a lazy XLA value to be whole on every device; returns it."""
+        import torch_xla.distributed.spmd as xs
+
+        xs.mark_sharding(tensor, self.mesh, (None,) * tensor.dim())
+        return tensor
+
     def heads(self, tensor: torch.Tensor) -> torch.Tensor:
         """Constrain per-head activations [T, heads, d] to be split over their heads."""
         return self.shard(tensor, (None, AXIS, None))

@@ -85,6 +85,9 @@ class HeadGroupedAttention:
         out = self.backend(
             q, k, v, self.kv_cache, meta, self.scale, window=self.window, softcap=self.softcap
         )
+        # The updated cache leaves the program split as it came in: an output sharding of
+        # XLA's choosing would be a new input sharding next step, hence a new program.
+        mesh.shard(self.kv_cache, KV_SPEC)
         return self.o_proj(mesh.heads(out).reshape(t, g.padded_heads * d))
 
 
@@ -158,11 +161,19 @@ def shard_model(model: nn.Module, mesh: SpmdMesh, device: torch.device) -> tuple
         regroup_mlp(layer.mlp, mesh.size)
     assert groups is not None, "a model without layers"
     per_device = 0
-    for name, param in model.named_parameters():
-        spec = param_spec(name, param.dim())
-        # One tensor at a time: a device holds at most one whole weight beyond its shards.
-        param.data = mesh.shard(param.data.to(device), spec)
-        share = mesh.size if AXIS in spec else 1
-        per_device += -(-param.numel() // share) * param.element_size()
+    moved: dict[int, nn.Parameter] = {}  # by the host parameter's id: tied weights move once
+    for prefix, module in model.named_modules():
+        for attr, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in moved:
+                spec = param_spec(f"{prefix}.{attr}" if prefix else attr, param.dim())
+                # One tensor at a time: a device holds at most one whole weight beyond its
+                # shards. (An XLA tensor cannot replace a host parameter's data in place.)
+                data = mesh.shard(param.data.to(device), spec)
+                moved[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
+                share = mesh.size if AXIS in spec else 1
+                per_device += -(-param.numel() // share) * param.element_size()
+            module._parameters[attr] = moved[id(param)]
     model.to(device)  # the buffers (RoPE table), replicated
     return per_device, groups
