@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.torch.models.llama import Linear, LlamaAttention, norm_heads
+from common.torch.models.llama import Linear, LlamaAttention
 from executor_tpu.head_groups import HeadGroups, UnitGroups, take
 from executor_tpu.spmd import AXIS, Spec, SpmdMesh
 
@@ -78,7 +78,9 @@ class HeadGroupedAttention:
         k = mesh.heads(qkv[:, :, ql : ql + kl].reshape(t, g.padded_kv_heads, d))
         v = mesh.heads(qkv[:, :, ql + kl :].reshape(t, g.padded_kv_heads, d))
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = norm_heads(self.q_norm, q), norm_heads(self.k_norm, k)
+            # Normed over the last axis as [T, heads, d] (norm_heads flattens [T * heads, d],
+            # which would gather the heads split over the devices).
+            q, k = self.q_norm(q), self.k_norm(k)
         # Rotated apart (not as one q|k block): per head, the same math.
         q = self.ops.rotary(q, g.padded_heads, rope)
         k = self.ops.rotary(k, g.padded_kv_heads, rope)
