@@ -14,6 +14,7 @@ torch_xla starts its runtime; ``start_spmd`` after.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 from dataclasses import dataclass
@@ -27,10 +28,28 @@ AXIS = "tp"  # the mesh axis every sharded dimension is split over
 Spec = tuple[str | None, ...]  # a partition spec: per tensor dimension, AXIS or None
 
 
+def visible_chips() -> int:
+    """TPU chips this process will see (``TPU_VISIBLE_CHIPS``, else the host's accelerator
+    device files); 0 = unknown."""
+    listed = os.environ.get("TPU_VISIBLE_CHIPS", "").strip()
+    if listed:
+        return len(listed.split(","))
+    return len(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
 def prepare_devices(size: int, pjrt_device: str) -> None:
     """Before torch_xla starts: on XLA:CPU, ask for ``size`` virtual devices. Raises
-    ValueError when ``CPU_NUM_DEVICES`` is already set to another count."""
-    if size <= 1 or pjrt_device != "CPU":
+    ValueError when ``CPU_NUM_DEVICES`` is already set to another count, or when a TPU host
+    shows another number of chips (the SPMD mesh must span them all)."""
+    if size <= 1:
+        return
+    if pjrt_device == "TPU":
+        chips = visible_chips()
+        if chips and chips != size:
+            raise ValueError(
+                f"--tensor-parallel-size {size}: this process sees {chips} TPU chips; SPMD "
+                "shards over all of them (set TPU_VISIBLE_CHIPS, or the size to the chip count)"
+            )
         return
     have = os.environ.get("CPU_NUM_DEVICES")
     if have and int(have) != size:
