@@ -17,7 +17,6 @@ that after each step.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import time
 
@@ -32,13 +31,9 @@ from common.torch.input_batch import ScheduledRow
 from common.torch.runner import RowResults, TorchModelRunner, prompt_logprob_count
 from common.torch.sampling import seed_key
 from common.wire.config import Capabilities, KVCacheSpec, ModelGeometry
-from executor_tpu.attention import (
-    StaticAttentionMetadata,
-    kernel_layout,
-    plain_layout,
-)
+from executor_tpu.attention import StaticAttentionMetadata
+from executor_tpu.attention_choice import choose_attention, choose_layout, is_tpu
 from executor_tpu.compile_watch import CompileWatch, persistent_cache_counters
-from executor_tpu.head_groups import round_up
 from executor_tpu.options import TPUOptions
 from executor_tpu.sampler import (
     VARIANTS,
@@ -66,23 +61,6 @@ log = logging.getLogger(__name__)
 _UNSEEDED_SALT = 0x5DEECE66D
 
 
-def is_tpu(device: torch.device) -> bool:
-    """Whether an XLA device is a TPU."""
-    return xm.xla_device_hw(device) == "TPU"
-
-
-def kernel_available() -> bool:
-    """Whether the ragged paged attention kernel can be built (it is traced with JAX/Pallas:
-    torch_xla's ``pallas`` extra)."""
-    if importlib.util.find_spec("jax") is not None:
-        return True
-    log.warning(
-        "jax is not installed (pip install 'torch_xla[tpu,pallas]==2.9.0'): the TPU "
-        "runs the static gather attention instead of the ragged paged kernel"
-    )
-    return False
-
-
 class TPUModelRunner(TorchModelRunner):
     """Runs steps of a served model (any family) on a TPU (or XLA:CPU) with precompiled shapes."""
 
@@ -98,39 +76,14 @@ class TPUModelRunner(TorchModelRunner):
         self.options = options  # buckets, attention, layout, cache
         self.mesh = mesh  # the SPMD mesh the model is sharded over; None = one device
         self.chip_weights_bytes = 0  # weights one chip holds (set by load_model)
-        attention = self._attention(options.attention)
+        attention = choose_attention(options.attention, device, mesh is not None)
         self.attention_backend = f"xla_{attention}"
-        padded = options.kv_layout == "padded" or (
-            options.kv_layout == "auto" and attention == "ragged"
+        self.layout = choose_layout(
+            attention, options.kv_layout, geometry, self.precision.kv_bytes, mesh
         )
-        if mesh is not None:
-            # Whole KV heads per device: padded up to a multiple of the devices (head_groups).
-            self.layout = plain_layout(
-                round_up(geometry.num_kv_heads, mesh.size), geometry.head_dim
-            )
-        elif padded:
-            self.layout = kernel_layout(
-                geometry.num_kv_heads, geometry.head_dim, self.precision.kv_bytes
-            )
-        else:
-            self.layout = plain_layout(geometry.num_kv_heads, geometry.head_dim)
         self.compile_watch = CompileWatch()  # compilations during / after warm-up
         self.max_blocks = self._table_width()  # block-table width (fixed per warm-up)
         self._unseeded_draws = 0  # noise keys handed to unseeded rows since reset()
-
-    def _attention(self, option: str) -> str:
-        """The attention path: the ragged kernel on a TPU (one chip), else the gather path."""
-        if self.mesh is not None:
-            # The Pallas kernel is not partitioned by GSPMD: under SPMD it would need a manual
-            # (per-device) region, which is not built yet.
-            if option == "ragged":
-                raise ValueError(
-                    "--attention ragged is not supported with --tensor-parallel-size > 1"
-                )
-            return "gather"
-        if option == "auto":
-            return "ragged" if is_tpu(self.device) and kernel_available() else "gather"
-        return option
 
     # --- shapes ---------------------------------------------------------------------------
 
@@ -186,17 +139,7 @@ class TPUModelRunner(TorchModelRunner):
             model = model.to(self.device)
             self.chip_weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         else:
-            self.chip_weights_bytes, groups = shard_model(model, self.mesh, self.device)
-            log.info(
-                "sharded over %d devices: %d query / %d KV heads per device (%d / %d padded), "
-                "%.1f MiB of weights per device",
-                self.mesh.size,
-                groups.local_heads,
-                groups.local_kv_heads,
-                groups.padded_heads - groups.num_heads,
-                groups.padded_kv_heads - groups.num_kv_heads,
-                self.chip_weights_bytes / 2**20,
-            )
+            self.chip_weights_bytes = shard_model(model, self.mesh, self.device)
         torch_xla.sync()
         return model
 

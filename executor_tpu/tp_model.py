@@ -154,9 +154,9 @@ def _reindex(linear: Linear, index: list[int], dim: int) -> None:
             linear.bias.data = take(linear.bias.data, index, 0)
 
 
-def shard_model(model: nn.Module, mesh: SpmdMesh, device: torch.device) -> tuple[int, HeadGroups]:
-    """Regroup (on the host), move and annotate every parameter; returns (bytes of weights one
-    device holds, the attention's head groups)."""
+def shard_model(model: nn.Module, mesh: SpmdMesh, device: torch.device) -> int:
+    """Regroup (on the host), move and annotate every parameter; returns the bytes of weights
+    one device holds."""
     groups = None
     for layer in model.model.layers:
         groups = regroup_attention(layer.self_attn, mesh)
@@ -178,4 +178,14 @@ def shard_model(model: nn.Module, mesh: SpmdMesh, device: torch.device) -> tuple
                 per_device += -(-param.numel() // share) * param.element_size()
             module._parameters[attr] = moved[id(param)]
     model.to(device)  # the buffers (RoPE table), replicated
-    return per_device, groups
+    log.info(
+        "sharded over %d devices: %d query / %d KV heads per device (%d / %d of them padding), "
+        "%.1f MiB of weights per device",
+        mesh.size,
+        groups.local_heads,
+        groups.local_kv_heads,
+        groups.padded_heads - groups.num_heads,
+        groups.padded_kv_heads - groups.num_kv_heads,
+        per_device / 2**20,
+    )
+    return per_device

@@ -66,7 +66,8 @@ class TPUWorker(WorkerBase):
         import torch_xla
         import torch_xla.runtime as xr
 
-        from executor_tpu.model_runner import TPUModelRunner, is_tpu
+        from executor_tpu.attention_choice import is_tpu
+        from executor_tpu.model_runner import TPUModelRunner
 
         self.mesh = start_spmd(tp, self.pjrt_device == "TPU") if tp > 1 else None
         device = torch_xla.device()
@@ -103,7 +104,8 @@ class TPUWorker(WorkerBase):
         XLA:CPU: ``config.kv_cache_bytes`` or 2 GiB."""
         import torch_xla.core.xla_model as xm
 
-        from executor_tpu.model_runner import TPUModelRunner, is_tpu
+        from executor_tpu.attention_choice import is_tpu
+        from executor_tpu.model_runner import TPUModelRunner
 
         runner = self.model_runner
         assert isinstance(runner, TPUModelRunner) and runner.get_model() is not None

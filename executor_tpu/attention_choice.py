@@ -1,0 +1,64 @@
+"""Which attention path and KV layout a TPU runner uses, from its options and device."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+import torch_xla.core.xla_model as xm
+
+from common.wire.config import ModelGeometry
+from executor_tpu.attention import KVLayout, kernel_layout, plain_layout
+from executor_tpu.head_groups import round_up
+from executor_tpu.spmd import SpmdMesh
+
+log = logging.getLogger(__name__)
+
+
+def is_tpu(device: torch.device) -> bool:
+    """Whether an XLA device is a TPU."""
+    return xm.xla_device_hw(device) == "TPU"
+
+
+def kernel_available() -> bool:
+    """Whether the ragged paged attention kernel can be built (it is traced with JAX/Pallas:
+    torch_xla's ``pallas`` extra)."""
+    if importlib.util.find_spec("jax") is not None:
+        return True
+    log.warning(
+        "jax is not installed (pip install 'torch_xla[tpu,pallas]==2.9.0'): the TPU "
+        "runs the static gather attention instead of the ragged paged kernel"
+    )
+    return False
+
+
+def choose_attention(option: str, device: torch.device, sharded: bool) -> str:
+    """``ragged`` (the kernel) or ``gather``: auto = the kernel on one TPU chip with JAX."""
+    if sharded:
+        # The Pallas kernel is not partitioned by GSPMD: under SPMD it would need a manual
+        # (per-device) region, which is not built yet.
+        if option == "ragged":
+            raise ValueError("--attention ragged is not supported with --tensor-parallel-size > 1")
+        return "gather"
+    if option == "auto":
+        return "ragged" if is_tpu(device) and kernel_available() else "gather"
+    return option
+
+
+def choose_layout(
+    attention: str,
+    option: str,
+    geometry: ModelGeometry,
+    kv_bytes: int,
+    mesh: SpmdMesh | None,
+) -> KVLayout:
+    """The KV layout: padded for the kernel (``--kv-layout``, auto = when the kernel is used);
+    sharded, the KV heads padded to a multiple of the devices (whole heads per device, see
+    executor_tpu.head_groups)."""
+    heads, head_dim = geometry.num_kv_heads, geometry.head_dim
+    if mesh is not None:
+        return plain_layout(round_up(heads, mesh.size), head_dim)
+    if option == "padded" or (option == "auto" and attention == "ragged"):
+        return kernel_layout(heads, head_dim, kv_bytes)
+    return plain_layout(heads, head_dim)
