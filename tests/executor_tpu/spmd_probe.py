@@ -77,8 +77,8 @@ def _greedy(worker: TPUWorker, prompts: list[list[int]]) -> dict[str, list[int]]
     worker.model_runner.reset()
     ctl = MiniController(worker.model_runner, budget=12)
     reqs = [ctl.add(f"g{i}", p, max_tokens=12) for i, p in enumerate(prompts)]
-    blocks = list(reqs[0].blocks)
     ctl.run()
+    blocks = list(reqs[0].blocks)  # freed, but still holding the first prompt's keys / values
     cached = (len(prompts[0]) - 1) // BLOCK * BLOCK  # whole blocks of the prompt
     ctl.free = [b for b in ctl.free if b not in blocks[: cached // BLOCK]]
     hit = ctl.add(
