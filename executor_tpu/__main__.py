@@ -30,10 +30,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m executor_tpu") ->
 
 def check_parallel(settings: TPUSettings, pjrt_device: str) -> None:
     """Refuse what a sharded executor cannot do, before loading anything (ValueError)."""
-    size = settings.tensor_parallel_size
-    if size > 1 and settings.attention == "ragged":
-        raise ValueError("--attention ragged is not supported with --tensor-parallel-size > 1")
-    prepare_devices(size, pjrt_device)
+    prepare_devices(settings.tensor_parallel_size, pjrt_device)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import torch_xla.core.xla_model as xm
 
 from common.wire.config import ModelGeometry
 from executor_tpu.attention import KVLayout, kernel_layout, plain_layout
-from executor_tpu.head_groups import round_up
 from executor_tpu.spmd import SpmdMesh
 
 log = logging.getLogger(__name__)
@@ -33,14 +32,8 @@ def kernel_available() -> bool:
     return False
 
 
-def choose_attention(option: str, device: torch.device, sharded: bool) -> str:
-    """``ragged`` (the kernel) or ``gather``: auto = the kernel on one TPU chip with JAX."""
-    if sharded:
-        # The Pallas kernel is not partitioned by GSPMD: under SPMD it would need a manual
-        # (per-device) region, which is not built yet.
-        if option == "ragged":
-            raise ValueError("--attention ragged is not supported with --tensor-parallel-size > 1")
-        return "gather"
+def choose_attention(option: str, device: torch.device) -> str:
+    """``ragged`` (the kernel) or ``gather``: auto = the kernel on a TPU with JAX."""
     if option == "auto":
         return "ragged" if is_tpu(device) and kernel_available() else "gather"
     return option
@@ -54,11 +47,16 @@ def choose_layout(
     mesh: SpmdMesh | None,
 ) -> KVLayout:
     """The KV layout: padded for the kernel (``--kv-layout``, auto = when the kernel is used);
-    sharded, the KV heads padded to a multiple of the devices (whole heads per device, see
-    executor_tpu.head_groups)."""
+    sharded, whole KV heads per device, as many on each (see executor_tpu.head_groups)."""
     heads, head_dim = geometry.num_kv_heads, geometry.head_dim
-    if mesh is not None:
-        return plain_layout(round_up(heads, mesh.size), head_dim)
-    if option == "padded" or (option == "auto" and attention == "ragged"):
-        return kernel_layout(heads, head_dim, kv_bytes)
-    return plain_layout(heads, head_dim)
+    padded = option == "padded" or (option == "auto" and attention == "ragged")
+    if mesh is None:
+        return kernel_layout(heads, head_dim, kv_bytes) if padded else plain_layout(heads, head_dim)
+    # Sharded: each device's heads must suit the kernel on their own (it runs per device); the
+    # padding heads are part of the regrouped model (zero heads), not of the layout.
+    local = -(-heads // mesh.size)
+    if not padded:
+        return plain_layout(local * mesh.size, head_dim)
+    kernel = kernel_layout(local, head_dim, kv_bytes)
+    total = kernel.padded_kv_heads * mesh.size
+    return KVLayout(total, head_dim, total, kernel.padded_head_dim)

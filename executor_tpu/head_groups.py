@@ -43,6 +43,7 @@ class HeadGroups:
     num_heads: int  # the model's query heads
     num_kv_heads: int  # the model's KV heads
     head_dim: int  # size of one head
+    kv_per_device: int = 0  # KV heads each device holds (0 = the fewest that hold them all)
 
     @property
     def group(self) -> int:
@@ -52,7 +53,7 @@ class HeadGroups:
     @property
     def padded_kv_heads(self) -> int:
         """KV heads after padding (a multiple of the devices)."""
-        return round_up(self.num_kv_heads, self.size)
+        return self.local_kv_heads * self.size
 
     @property
     def padded_heads(self) -> int:
@@ -62,7 +63,7 @@ class HeadGroups:
     @property
     def local_kv_heads(self) -> int:
         """KV heads per device."""
-        return self.padded_kv_heads // self.size
+        return self.kv_per_device or -(-self.num_kv_heads // self.size)
 
     @property
     def local_heads(self) -> int:

@@ -76,7 +76,7 @@ class TPUModelRunner(TorchModelRunner):
         self.options = options  # buckets, attention, layout, cache
         self.mesh = mesh  # the SPMD mesh the model is sharded over; None = one device
         self.chip_weights_bytes = 0  # weights one chip holds (set by load_model)
-        attention = choose_attention(options.attention, device, mesh is not None)
+        attention = choose_attention(options.attention, device)
         self.attention_backend = f"xla_{attention}"
         self.layout = choose_layout(
             attention, options.kv_layout, geometry, self.precision.kv_bytes, mesh
@@ -139,7 +139,8 @@ class TPUModelRunner(TorchModelRunner):
             model = model.to(self.device)
             self.chip_weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         else:
-            self.chip_weights_bytes = shard_model(model, self.mesh, self.device)
+            per_device = self.layout.padded_kv_heads // self.mesh.size
+            self.chip_weights_bytes = shard_model(model, self.mesh, self.device, per_device)
         torch_xla.sync()
         return model
 
@@ -252,6 +253,7 @@ class TPUModelRunner(TorchModelRunner):
             num_seqs=d["num_seqs"],
             block_size=self.config.block_size,
             layout=self.layout,
+            mesh=self.mesh,
         )
         hidden = self.model(d["input_ids"], d["positions"], meta)
         logits = self.model.compute_logits(hidden.index_select(0, d["logits_indices"]))

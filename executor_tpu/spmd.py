@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,25 @@ class SpmdMesh:
 
         xs.mark_sharding(tensor, self.mesh, (None,) * tensor.dim())
         return tensor
+
+    def per_device(
+        self, fn: Callable[..., torch.Tensor], in_specs: tuple[Spec, ...], out_spec: Spec
+    ) -> Callable[..., torch.Tensor]:
+        """``fn`` run by each device on its own shards (a manual region: XLA does not
+        partition what it computes), its inputs split by ``in_specs`` and its output, local on
+        each device, joined back by ``out_spec``."""
+        import torch_xla.distributed.spmd as xs
+
+        def run(*args: torch.Tensor) -> torch.Tensor:
+            local = [
+                xs.enable_manual_sharding(a, spec, mesh=self.mesh).global_tensor
+                for a, spec in zip(args, in_specs, strict=True)
+            ]
+            out = fn(*local)
+            full = [n * self.size if part == AXIS else n for n, part in zip(out.shape, out_spec)]
+            return xs.disable_manual_sharding(out, out_spec, full, mesh=self.mesh).global_tensor
+
+        return run
 
     def heads(self, tensor: torch.Tensor) -> torch.Tensor:
         """Constrain per-head activations [T, heads, d] to be split over their heads."""

@@ -8,10 +8,10 @@ one pool of blocks of ``bytes_per_block``, split evenly over the chips).
 
 torch_xla 2.9 reports no memory statistics for the chips behind the SPMD virtual device, so the
 limits are read before SPMD starts (``executor_tpu.spmd.chip_limits``) and the activation peak
-is modelled rather than measured: the gather attention's context of the largest token bucket
-(every token gathers ``max_model_len`` keys and values of its chip's heads, plus float32
-copies and scores), the largest request bucket's float32 logits and their sorted copies, and
-the per-token hidden / MLP activations.
+is modelled rather than measured: with the gather attention, its context at the largest token
+bucket (every token gathers ``max_model_len`` keys and values of its chip's heads, plus float32
+copies and scores; the kernel reads the pages in place); the largest request bucket's float32
+logits and their sorted copies; and the per-token hidden / MLP activations.
 """
 
 from __future__ import annotations
@@ -37,8 +37,12 @@ def modelled_peak_bytes(runner: Any, size: int) -> int:
     context = runner.max_blocks * runner.config.block_size
     kv_heads = layout.padded_kv_heads // size
     heads = kv_heads * (args.num_heads // args.num_kv_heads)
-    gathered = tokens * context * 2 * kv_heads * layout.head_dim * (runner.precision.kv_bytes + 4)
-    scores = 2 * tokens * heads * context * 4
+    gathered = scores = 0
+    if runner.attention_backend == "xla_gather":  # the kernel reads the pages in place
+        gathered = (
+            tokens * context * 2 * kv_heads * layout.head_dim * (runner.precision.kv_bytes + 4)
+        )
+        scores = 2 * tokens * heads * context * 4
     logits = _LOGIT_COPIES * rows * args.vocab_size * 4
     per_token = args.hidden_size + 2 * args.intermediate_size // size
     hidden = _ACTIVATION_COPIES * tokens * per_token * 4

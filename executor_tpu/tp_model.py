@@ -117,9 +117,10 @@ class DeviceGroupedInput(Linear):
         return super().forward(x.reshape(x.shape[0], -1))
 
 
-def regroup_attention(attn: LlamaAttention, mesh: SpmdMesh) -> HeadGroups:
-    """Reorder ``qkv_proj``'s columns by device, pad ``o_proj``'s rows, switch the forward."""
-    groups = HeadGroups(mesh.size, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+def regroup_attention(attn: LlamaAttention, mesh: SpmdMesh, kv_per_device: int = 0) -> HeadGroups:
+    """Reorder ``qkv_proj``'s columns by device, pad ``o_proj``'s rows, switch the forward;
+    ``kv_per_device`` as in HeadGroups (the KV layout's heads per device)."""
+    groups = HeadGroups(mesh.size, attn.num_heads, attn.num_kv_heads, attn.head_dim, kv_per_device)
     _reindex(attn.qkv_proj, groups.qkv_columns(), dim=1)
     _reindex(attn.o_proj, groups.o_rows(), dim=0)
     attn.__class__ = _grouped_class(type(attn))
@@ -154,12 +155,14 @@ def _reindex(linear: Linear, index: list[int], dim: int) -> None:
             linear.bias.data = take(linear.bias.data, index, 0)
 
 
-def shard_model(model: nn.Module, mesh: SpmdMesh, device: torch.device) -> int:
+def shard_model(
+    model: nn.Module, mesh: SpmdMesh, device: torch.device, kv_per_device: int = 0
+) -> int:
     """Regroup (on the host), move and annotate every parameter; returns the bytes of weights
-    one device holds."""
+    one device holds. ``kv_per_device``: the KV layout's heads per device (0 = the fewest)."""
     groups = None
     for layer in model.model.layers:
-        groups = regroup_attention(layer.self_attn, mesh)
+        groups = regroup_attention(layer.self_attn, mesh, kv_per_device)
         regroup_mlp(layer.mlp, mesh.size)
     assert groups is not None, "a model without layers"
     per_device = 0

@@ -5,7 +5,8 @@ chunked prefill with batched decodes, and a prefix hit.
 
 SPMD is process-wide in torch_xla (``use_spmd`` before any tensor), so each size runs in its
 own process: ``python -m tests.executor_tpu.spmd_probe --tp 2 IN.json OUT.json``. IN holds
-``{"prompts": [[token ids], ...]}``.
+``{"prompts": [[token ids], ...]}``. ``--reference-kernel`` takes the ragged kernel's path with
+torch_xla's non-kernel reference standing in for the kernel.
 """
 
 from __future__ import annotations
@@ -28,7 +29,45 @@ from executor_tpu.worker import TPUWorker  # noqa: E402
 from tests.support.mini_controller import BLOCK, MODEL_DIR, MiniController  # noqa: E402
 
 
-def _worker(tp: int) -> TPUWorker:
+def _static_kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kw):
+    """What the ragged paged attention kernel computes, with static shapes (torch_xla's own
+    reference reads lengths on the host, which a per-device region cannot): every query token
+    attends causally to its row's pages (and window); padding tokens get zeros."""
+    assert kw.pop("use_kernel") is True
+    t, num_heads, head_dim = q.shape
+    rows, width = page_indices.shape
+    page = kv_pages.shape[1]
+    kv_heads = kv_pages.shape[2] // 2
+    token = torch.arange(t, device=q.device)
+    row = (cu_q_lens[1 : rows + 1][None, :] <= token[:, None]).sum(dim=1)
+    real = row < num_seqs[0]
+    row = row.clamp(max=rows - 1)
+    pos = kv_lens[row] - (cu_q_lens[1:][row] - token)  # each token's position in its row
+    ctx = kv_pages[page_indices[row].reshape(-1)].view(t, width * page, 2 * kv_heads, head_dim)
+    keys, values = ctx[:, :, 0::2].float(), ctx[:, :, 1::2].float()
+    span = torch.arange(width * page, device=q.device)[None, :]
+    visible = (span <= pos[:, None]) & real[:, None]
+    if kw.get("sliding_window"):
+        visible &= span > pos[:, None] - kw["sliding_window"]
+    qg = q.float().view(t, kv_heads, num_heads // kv_heads, head_dim)
+    scores = torch.einsum("tkgd,tlkd->tkgl", qg, keys) * kw["sm_scale"]
+    if kw.get("soft_cap"):
+        scores = torch.tanh(scores / kw["soft_cap"]) * kw["soft_cap"]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    weights = torch.nan_to_num(scores.softmax(dim=-1))
+    out = torch.einsum("tkgl,tlkd->tkgd", weights, values)
+    return out.reshape(t, num_heads, head_dim).to(q.dtype)
+
+
+def _reference_kernel() -> None:
+    """Stand the static reference in for the ragged paged attention kernel (which runs only on
+    a TPU): the kernel path's layout, padding and per-device region are what is checked."""
+    import torch_xla.experimental.custom_kernel as custom_kernel
+
+    custom_kernel.ragged_paged_attention = _static_kernel
+
+
+def _worker(tp: int, attention: str) -> TPUWorker:
     cfg = ExecutorConfig(
         model=MODEL_DIR,
         block_size=BLOCK,
@@ -37,7 +76,8 @@ def _worker(tp: int) -> TPUWorker:
         kv_cache_bytes=64 * 2**20,
         tensor_parallel_size=tp,
     )
-    worker = TPUWorker(cfg, TPUOptions(token_buckets=[16, 64], compile_cache_dir=""))
+    options = TPUOptions(token_buckets=[16, 64], compile_cache_dir="", attention=attention)
+    worker = TPUWorker(cfg, options)
     worker.init_device()
     worker.load_model()
     worker.configure(64, 8, 256)
@@ -92,16 +132,20 @@ def main() -> None:
     """Probe one size; write the JSON report."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--reference-kernel", action="store_true", help="ragged path, reference")
     parser.add_argument("inp")
     parser.add_argument("out")
     args = parser.parse_args()
     with open(args.inp) as f:
         prompts = json.load(f)["prompts"]
     started = time.perf_counter()
-    worker = _worker(args.tp)
+    if args.reference_kernel:
+        _reference_kernel()
+    worker = _worker(args.tp, "ragged" if args.reference_kernel else "auto")
     runner = worker.model_runner
     report = {
         "device_name": worker.device_name,
+        "attention": worker.model_runner.attention_backend,
         "capabilities_tp": worker.describe().capabilities.tensor_parallel_size,
         "kv_shape": list(runner.kv_caches[0].shape),
         "bytes_per_block": runner.get_kv_cache_spec().bytes_per_block,

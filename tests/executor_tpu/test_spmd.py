@@ -40,10 +40,11 @@ KV_HEADS = "{devices=[1,1,2,1]0,1}"
 pytestmark = [needs_model, pytest.mark.slow]
 
 
-def _probe(tp: int, inp: str, out: str) -> dict:
+def _probe(tp: int, inp: str, out: str, *flags: str) -> dict:
     env = dict(os.environ, PJRT_DEVICE="CPU", TANDEM_MODEL_DIR=MODEL_DIR)
     env.pop("CPU_NUM_DEVICES", None)
-    cmd = [sys.executable, "-m", "tests.executor_tpu.spmd_probe", "--tp", str(tp), inp, out]
+    cmd = [sys.executable, "-m", "tests.executor_tpu.spmd_probe", "--tp", str(tp), *flags]
+    cmd += [inp, out]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stderr[-4000:]
     with open(out) as f:
@@ -62,8 +63,9 @@ def runs(prompts, tmp_path_factory):
     with open(inp, "w") as f:
         json.dump({"prompts": prompts}, f)
     found = {tp: _probe(tp, inp, str(tmp / f"out{tp}.json")) for tp in (2, 1)}
+    found["ragged"] = _probe(2, inp, str(tmp / "ragged.json"), "--reference-kernel")
     for tp, r in found.items():
-        print(f"tp={tp}: warm-up {r['warmup_seconds']:.1f}s, whole probe {r['seconds']:.1f}s")
+        print(f"{tp}: warm-up {r['warmup_seconds']:.1f}s, whole probe {r['seconds']:.1f}s")
     return found
 
 
@@ -93,10 +95,25 @@ def test_weights_and_kv_cache_sharded(runs):
 
 
 def test_nothing_compiled_after_warmup(runs):
-    for r in runs.values():
+    for r in (runs[1], runs[2]):
         assert r["compiled_after_warmup"] == 0
     # Forward and prompt logprobs per token bucket (2 each), six sampling variants.
     assert runs[2]["warmup_compiled"] == runs[1]["warmup_compiled"] == 2 + 2 + 6
+
+
+def test_kernel_path_per_device(runs):
+    """The ragged kernel's path, sharded: each device runs the kernel on its own heads (a
+    manual region), with a static reference standing in for the kernel (TPU only): each
+    device's 2 KV heads already tile for it, head size padded to 128."""
+    ragged = runs["ragged"]
+    assert ragged["attention"] == "xla_ragged"
+    assert ragged["kv_shape"][2:] == [8, 128]
+    assert ragged["shardings"]["kv_cache.0"] == KV_HEADS
+    assert ragged["compiled_after_warmup"] == 0
+    assert ragged["warmup_compiled"] == runs[1]["warmup_compiled"]
+    assert ragged["greedy"] == runs[1]["greedy"]
+    diff = max(abs(x - y) for x, y in zip(ragged["logits"], runs[1]["logits"]))
+    assert diff < LOGIT_TOL
 
 
 def test_logits_match_unsharded(runs):

@@ -31,9 +31,8 @@ def test_tpu_size_must_match_the_visible_chips(monkeypatch):
     prepare_devices(1, "TPU")  # unsharded: one chip, as before
 
 
-def test_ragged_kernel_refused_when_sharded(monkeypatch):
-    monkeypatch.setenv("CPU_NUM_DEVICES", "")
-    settings = TPUSettings.load(["--model", "m", "--tp", "2", "--attention", "ragged"])
-    with pytest.raises(ValueError, match="ragged"):
-        check_parallel(settings, "CPU")
-    check_parallel(TPUSettings.load(["--model", "m", "--tp", "2"]), "CPU")
+def test_usage_errors_exit_before_loading(monkeypatch):
+    monkeypatch.setenv("CPU_NUM_DEVICES", "3")
+    with pytest.raises(ValueError, match="CPU_NUM_DEVICES=2"):
+        check_parallel(TPUSettings.load(["--model", "m", "--tp", "2"]), "CPU")
+    check_parallel(TPUSettings.load(["--model", "m", "--tp", "3", "--attention", "ragged"]), "CPU")
