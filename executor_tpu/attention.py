@@ -93,6 +93,7 @@ class StaticAttentionMetadata:
     num_seqs: torch.Tensor  # [1] int32 real rows
     block_size: int  # tokens per block
     layout: KVLayout  # the KV tensor's layout
+    mesh: Any = None  # the SPMD mesh (executor_tpu.spmd.SpmdMesh) when sharded, else None
     derived: dict[Any, Any] = field(default_factory=dict)  # per-step tensors shared by layers
 
 
@@ -115,6 +116,12 @@ def write_kv(
     # zero times a non-finite value left by a failed request would still poison the sum.
     combined = torch.nan_to_num(combined.to(kv_cache.dtype))
     kv_cache.view(-1, *kv_cache.shape[2:]).index_copy_(0, meta.slot_mapping, combined)
+
+
+#: Under SPMD, how the kernel's inputs are split: query heads, the KV cache's heads, the
+#: per-step tables whole on every device; and its output, split over the query heads.
+HEADS_SPEC = (None, "tp", None)
+KERNEL_SPECS = (HEADS_SPEC, (None, None, "tp", None), (None,), (None, None), (None,), (None,))
 
 
 def gather_attention(
@@ -187,18 +194,26 @@ def ragged_attention(
         ),
     )
     num_reqs = meta.seq_lens.shape[0]
-    out = ragged_paged_attention(
-        q,
-        kv_cache,
-        meta.seq_lens,
-        meta.block_tables[:num_reqs],
-        meta.query_start_loc,
-        meta.num_seqs,
-        sm_scale=scale,
-        sliding_window=window or None,
-        soft_cap=softcap or None,
-        use_kernel=True,
-    )
+
+    def kernel(q, kv_cache, seq_lens, block_tables, query_start_loc, num_seqs):
+        return ragged_paged_attention(
+            q,
+            kv_cache,
+            seq_lens,
+            block_tables,
+            query_start_loc,
+            num_seqs,
+            sm_scale=scale,
+            sliding_window=window or None,
+            soft_cap=softcap or None,
+            use_kernel=True,
+        )
+
+    if meta.mesh is not None:
+        # GSPMD cannot partition the kernel: each device runs it on its own heads.
+        kernel = meta.mesh.per_device(kernel, KERNEL_SPECS, HEADS_SPEC)
+    tables = meta.block_tables[:num_reqs]
+    out = kernel(q, kv_cache, meta.seq_lens, tables, meta.query_start_loc, meta.num_seqs)
     return out[:, :num_heads, :head_dim]
 
 

@@ -17,7 +17,6 @@ that after each step.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import time
 
@@ -32,11 +31,8 @@ from common.torch.input_batch import ScheduledRow
 from common.torch.runner import RowResults, TorchModelRunner, prompt_logprob_count
 from common.torch.sampling import seed_key
 from common.wire.config import Capabilities, KVCacheSpec, ModelGeometry
-from executor_tpu.attention import (
-    StaticAttentionMetadata,
-    kernel_layout,
-    plain_layout,
-)
+from executor_tpu.attention import StaticAttentionMetadata
+from executor_tpu.attention_choice import choose_attention, choose_layout, is_tpu
 from executor_tpu.compile_watch import CompileWatch, persistent_cache_counters
 from executor_tpu.options import TPUOptions
 from executor_tpu.sampler import (
@@ -48,6 +44,7 @@ from executor_tpu.sampler import (
     token_logprobs,
     unpack_logprobs,
 )
+from executor_tpu.spmd import SpmdMesh
 from executor_tpu.static_batch import (
     BucketPlan,
     StaticStep,
@@ -55,29 +52,13 @@ from executor_tpu.static_batch import (
     pick_bucket,
     plan_buckets,
 )
+from executor_tpu.tp_model import KV_SPEC, shard_model
 from executor_tpu.warmup import FabricatedRun, warmup_runs
 
 log = logging.getLogger(__name__)
 
 #: Mixed into the executor seed for the noise keys of unseeded rows.
 _UNSEEDED_SALT = 0x5DEECE66D
-
-
-def is_tpu(device: torch.device) -> bool:
-    """Whether an XLA device is a TPU."""
-    return xm.xla_device_hw(device) == "TPU"
-
-
-def kernel_available() -> bool:
-    """Whether the ragged paged attention kernel can be built (it is traced with JAX/Pallas:
-    torch_xla's ``pallas`` extra)."""
-    if importlib.util.find_spec("jax") is not None:
-        return True
-    log.warning(
-        "jax is not installed (pip install 'torch_xla[tpu,pallas]==2.9.0'): the TPU "
-        "runs the static gather attention instead of the ragged paged kernel"
-    )
-    return False
 
 
 class TPUModelRunner(TorchModelRunner):
@@ -89,20 +70,16 @@ class TPUModelRunner(TorchModelRunner):
         geometry: ModelGeometry,
         options: TPUOptions,
         device: torch.device,
+        mesh: SpmdMesh | None = None,
     ):
         super().__init__(config, geometry, device, batch_device="cpu")
         self.options = options  # buckets, attention, layout, cache
-        attention = options.attention
-        if attention == "auto":
-            attention = "ragged" if is_tpu(device) and kernel_available() else "gather"
+        self.mesh = mesh  # the SPMD mesh the model is sharded over; None = one device
+        self.chip_weights_bytes = 0  # weights one chip holds (set by load_model)
+        attention = choose_attention(options.attention, device)
         self.attention_backend = f"xla_{attention}"
-        padded = options.kv_layout == "padded" or (
-            options.kv_layout == "auto" and attention == "ragged"
-        )
-        self.layout = (
-            kernel_layout(geometry.num_kv_heads, geometry.head_dim, self.precision.kv_bytes)
-            if padded
-            else plain_layout(geometry.num_kv_heads, geometry.head_dim)
+        self.layout = choose_layout(
+            attention, options.kv_layout, geometry, self.precision.kv_bytes, mesh
         )
         self.compile_watch = CompileWatch()  # compilations during / after warm-up
         self.max_blocks = self._table_width()  # block-table width (fixed per warm-up)
@@ -134,6 +111,7 @@ class TPUModelRunner(TorchModelRunner):
             request_buckets=list(plan.request_buckets),
             max_num_seqs=plan.max_seqs,
             max_logprobs=self.config.max_logprobs,
+            tensor_parallel_size=self.config.tensor_parallel_size,
         )
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
@@ -157,7 +135,12 @@ class TPUModelRunner(TorchModelRunner):
         return "cpu"
 
     def place_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        model = model.to(self.device)
+        if self.mesh is None:
+            model = model.to(self.device)
+            self.chip_weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        else:
+            per_device = self.layout.padded_kv_heads // self.mesh.size
+            self.chip_weights_bytes = shard_model(model, self.mesh, self.device, per_device)
         torch_xla.sync()
         return model
 
@@ -165,6 +148,10 @@ class TPUModelRunner(TorchModelRunner):
         return self.layout.shape(num_blocks, self.config.block_size)
 
     def after_kv_cache_allocated(self) -> None:
+        if self.mesh is not None:
+            # Annotated while still lazy: each device materializes only its heads.
+            for cache in self.kv_caches:
+                self.mesh.shard(cache, KV_SPEC)
         torch_xla.sync()
         self.max_blocks = self._table_width()
 
@@ -219,15 +206,23 @@ class TPUModelRunner(TorchModelRunner):
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Move the inputs, run forward / sampling / prompt logprobs, fetch the results."""
         d, hidden, logits, row_ok = self.forward_step({**step.arrays(), **sampling.arrays()})
-        packed = sample(logits, row_ok, d, sampling.variant, self.config.max_logprobs)
+        packed = self._to_host(
+            sample(logits, row_ok, d, sampling.variant, self.config.max_logprobs)
+        )
         torch_xla.sync()
         prompt = None
         if with_prompt_logprobs:
             prompt = token_logprobs(
                 self.model.compute_logits(hidden), d["prompt_lp_targets"], self.config.max_logprobs
             )
+            prompt = self._to_host(prompt)
             torch_xla.sync()
         return packed.cpu().numpy(), None if prompt is None else prompt.cpu().numpy()
+
+    def _to_host(self, result: torch.Tensor) -> torch.Tensor:
+        """A result the host will fetch: under SPMD, computed whole on every device (else its
+        copy to the host would run a program of its own to gather the shards)."""
+        return result if self.mesh is None else self.mesh.replicate(result)
 
     def forward_step(self, arrays: dict[str, np.ndarray]):
         """Move ``arrays`` (a StaticStep's, plus anything later programs read) in one batch and
@@ -258,6 +253,7 @@ class TPUModelRunner(TorchModelRunner):
             num_seqs=d["num_seqs"],
             block_size=self.config.block_size,
             layout=self.layout,
+            mesh=self.mesh,
         )
         hidden = self.model(d["input_ids"], d["positions"], meta)
         logits = self.model.compute_logits(hidden.index_select(0, d["logits_indices"]))

@@ -14,6 +14,8 @@ from common.wire.config import MemoryProfile
 from common.wire.model_config import load_model_geometry
 from common.wire.step_types import StepInput, StepOutput
 from executor_tpu.options import TPUOptions, resolve_cache_dir, select_pjrt_device
+from executor_tpu.spmd import SpmdMesh, prepare_devices, start_spmd
+from executor_tpu.tp_memory import sharded_memory_profile
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class TPUWorker(WorkerBase):
         super().__init__(config)
         self.options = options or TPUOptions()  # buckets, attention, cache
         self.pjrt_device = ""  # "TPU" or "CPU", set by init_device()
+        self.mesh: SpmdMesh | None = None  # with --tensor-parallel-size > 1 (init_device)
 
     @property
     def decode_steps_ahead(self) -> bool:
@@ -55,20 +58,26 @@ class TPUWorker(WorkerBase):
         """Choose the PJRT device, turn on the compilation cache, bind the XLA device, read
         the model geometry and create the runner."""
         self.pjrt_device = select_pjrt_device(self.config.device)
+        tp = self.config.tensor_parallel_size
+        prepare_devices(tp, self.pjrt_device)
         cache_dir = resolve_cache_dir(self.options.compile_cache_dir, self.pjrt_device)
         if cache_dir:
             _init_compile_cache(cache_dir)
         import torch_xla
+        import torch_xla.runtime as xr
 
-        from executor_tpu.model_runner import TPUModelRunner, is_tpu
+        from executor_tpu.attention_choice import is_tpu
+        from executor_tpu.model_runner import TPUModelRunner
 
+        self.mesh = start_spmd(tp, self.pjrt_device == "TPU") if tp > 1 else None
         device = torch_xla.device()
+        sharded = f", sharded over {tp} (SPMD)" if tp > 1 else ""
         if is_tpu(device):
-            import torch_xla.runtime as xr
-
-            self.device_name = f"TPU ({xr.global_runtime_device_count()} chips)"
+            self.device_name = f"TPU ({xr.global_runtime_device_count()} chips{sharded})"
+            if tp == 1 and xr.global_runtime_device_count() > 1:
+                log.info("one chip used: --tensor-parallel-size N shards the model over N chips")
         else:
-            self.device_name = "XLA:CPU (PJRT_DEVICE=CPU)"
+            self.device_name = f"XLA:CPU (PJRT_DEVICE=CPU{sharded})"
             if self.config.max_model_len == 0:
                 self.config.max_model_len = DEFAULT_CPU_MAX_MODEL_LEN
                 log.info(
@@ -81,7 +90,7 @@ class TPUWorker(WorkerBase):
         geometry = load_model_geometry(
             self.config.model, self.config.max_model_len, self.config.served_model_name
         )
-        self.model_runner = TPUModelRunner(self.config, geometry, self.options, device)
+        self.model_runner = TPUModelRunner(self.config, geometry, self.options, device, self.mesh)
         log.info(
             "bound %s; attention %s, KV layout %s",
             self.device_name,
@@ -95,7 +104,8 @@ class TPUWorker(WorkerBase):
         XLA:CPU: ``config.kv_cache_bytes`` or 2 GiB."""
         import torch_xla.core.xla_model as xm
 
-        from executor_tpu.model_runner import TPUModelRunner, is_tpu
+        from executor_tpu.attention_choice import is_tpu
+        from executor_tpu.model_runner import TPUModelRunner
 
         runner = self.model_runner
         assert isinstance(runner, TPUModelRunner) and runner.get_model() is not None
@@ -106,6 +116,8 @@ class TPUWorker(WorkerBase):
                 weights_bytes=runner.weights_bytes,
                 peak_activation_bytes=0,
             )
+        if self.mesh is not None:
+            return sharded_memory_profile(runner, self.mesh, self.config.gpu_memory_utilization)
         peak = runner.profile_run()
         limit = int(xm.get_memory_info(self.device)["bytes_limit"])
         available = int(limit * self.config.gpu_memory_utilization) - runner.weights_bytes - peak
@@ -140,7 +152,7 @@ class TPUWorker(WorkerBase):
         """Weights and KV cache, and the device's used / limit bytes where PJRT reports them."""
         usage = super().memory_usage()
         runner = self.model_runner
-        if runner is not None and self.pjrt_device == "TPU":
+        if runner is not None and self.pjrt_device == "TPU" and self.mesh is None:
             import torch_xla.core.xla_model as xm
 
             info = xm.get_memory_info(runner.device)
