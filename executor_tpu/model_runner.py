@@ -137,6 +137,9 @@ class TPUModelRunner(TorchModelRunner):
     def place_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if self.mesh is None:
             model = model.to(self.device)
+            # Moving to XLA makes a tied parameter two device tensors (the move cannot swap the
+            # shared tensor's storage in place): share it again, or the device holds both.
+            model.tie_weights()
             self.chip_weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         else:
             per_device = self.layout.padded_kv_heads // self.mesh.size
