@@ -161,6 +161,18 @@ def check_tiny_vs_hf(device: torch.device, smoke: bool) -> dict:
     }
 
 
+def sharded_runner(cfg: ExecutorConfig, device: torch.device) -> GPUModelRunner:
+    """Rank 0's runner over ``cfg.tensor_parallel_size`` devices (followers started)."""
+    from executor_gpu.follower import follower_main, threads_per_rank
+    from executor_gpu.ranks.group import RankGroup
+
+    if device.type == "cpu":
+        torch.set_num_threads(threads_per_rank(cfg))
+    group = RankGroup.start(cfg, device, follower_main)
+    geometry = load_model_geometry(cfg.model, cfg.max_model_len)
+    return GPUModelRunner(cfg, geometry, tp=group.tp, ranks=group)
+
+
 def time_forward(
     runner: GPUModelRunner, batches: list[int], context: int, graph_name: str = ""
 ) -> list[dict]:
@@ -174,6 +186,8 @@ def time_forward(
     ]
     if graph_name:
         variants = [(graph_name, runner.fused_ops, runner.attention_backend, True)]
+    if runner.tp.size > 1:  # the ranks run the ops they loaded with, eagerly (no graphs)
+        variants = [("fused", runner.fused_ops or TORCH_LAYER_OPS, runner.attention_backend, False)]
     rows = []
     with torch.inference_mode():
         for batch in batches:
@@ -326,6 +340,12 @@ def main(argv=None) -> None:
         action="store_true",
         help="also: cProfile of execute_model steps at the largest batch",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="shard the Llama-3-8B-shaped model over N devices (follower ranks; no graphs)",
+    )
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     smoke = a.smoke or not torch.cuda.is_available()
@@ -354,18 +374,24 @@ def main(argv=None) -> None:
             max_num_seqs=max(batches),
             max_model_len=2048,
             load_format="dummy",
+            tensor_parallel_size=a.tensor_parallel_size,
         )
-        runner = GPUModelRunner(cfg, load_model_geometry(path, cfg.max_model_len))
+        runner = sharded_runner(cfg, device) if a.tensor_parallel_size > 1 else None
+        runner = runner or GPUModelRunner(cfg, load_model_geometry(path, cfg.max_model_len))
         runner.load_model()
     runner.initialize_kv_cache(1 + max(batches) * per)
     report["weights_bytes"] = runner.weights_bytes
     # Bytes a decode step streams: every weight but the input embedding (a few rows read).
     embed = runner.model.model.embed_tokens.weight
     report["streamed_weight_bytes"] = runner.weights_bytes - embed.numel() * embed.element_size()
+    report["tensor_parallel_size"] = a.tensor_parallel_size
+    sharded = a.tensor_parallel_size > 1
     section(
         report,
         "graphs_captured",
-        lambda: runner.capture_model() if not smoke else runner.enable_decode_graphs(False),
+        lambda: (
+            runner.capture_model() if not smoke or sharded else runner.enable_decode_graphs(False)
+        ),
     )
     rows: list[dict] = []
     section(
@@ -379,9 +405,9 @@ def main(argv=None) -> None:
             "forward_long",
             lambda: rows.extend(time_forward(runner, [max(batches)], a.long_context)) or len(rows),
         )
-    if not smoke:
+    if not smoke and not sharded:
         section(report, "profile", lambda: profile_replay(runner, max(batches), a.context))
-    if not smoke and a.sweep:  # the same graphs over cuBLASLt's GEMM heuristics
+    if not smoke and a.sweep and not sharded:  # the same graphs over cuBLASLt's GEMM heuristics
         section(
             report,
             "forward_cublaslt",
@@ -402,7 +428,7 @@ def main(argv=None) -> None:
         section(
             report, "host_profile", lambda: profile_executor_step(runner, max(batches), a.context)
         )
-    if not smoke and a.sweep:  # last: this one re-lays the weights out
+    if not smoke and a.sweep and not sharded:  # last: this one re-lays the weights out
         section(
             report,
             "forward_out_in",

@@ -281,3 +281,31 @@ def test_grammar_engines_runs_and_grows_a_valid_vocabulary(default_model_dir, tm
     llg = result["llguidance"]
     assert llg["torch_imported"] is False
     assert llg["json"]["accepting"] and llg["regex"]["accepting"]
+
+
+def test_gpu_step_benchmark_smoke_sharded_over_two_ranks(tmp_path):
+    """The GPU script with --tensor-parallel-size 2 on the CPU: rank 0 plus a follower, the
+    fused (eager) variant timed, the whole executor step run."""
+    out = tmp_path / "gpu_step_tp2.json"
+    run = run_script(
+        [
+            "benchmarks/gpu_step.py",
+            "--smoke",
+            "--tensor-parallel-size",
+            "2",
+            "--batch-sizes",
+            "1,3",
+            "--context",
+            "20",
+            "--long-context",
+            "0",
+            "--json",
+            str(out),
+        ],
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["tensor_parallel_size"] == 2 and report["graphs_captured"] == 0
+    assert {(r["batch"], r["variant"]) for r in report["forward"]} == {(1, "fused"), (3, "fused")}
+    assert report["executor_step_ms"] > 0
