@@ -132,18 +132,17 @@ def complete_ids(client, model, prompt, max_tokens, **kw):
     return c.model_extra["prompt_token_ids"], c.model_extra["token_ids"], r
 
 
-def assert_exact_under_pressure(s, hf) -> None:
-    """On a server of 48-token steps and ~19 usable KV blocks (tight_server's flags): long
-    prompts are chunked, requests are preempted and resumed, a repeated prompt hits the prefix
-    cache, and every greedy output is transformers' own; no block stays in use."""
-    # Distinct openings, so blocks are not shared and the pool runs out.
+def long_prompts_at_once(server) -> list:
+    """Six greedy completions at once (24 tokens each, token ids returned) of four long prompts
+    with distinct openings, two of them twice: on a tight server they are chunked, they run the
+    KV pool out (no shared blocks) and some are preempted."""
     prompts = [f"{PROMPTS[i]} {LONG_PROMPT[: 100 + 40 * i]}" for i in range(4)]
 
     async def run():
-        client = s.async_client()
+        client = server.async_client()
         calls = [
             client.completions.create(
-                model=s.model_name,
+                model=server.model_name,
                 prompt=p,
                 max_tokens=24,
                 temperature=0,
@@ -153,8 +152,14 @@ def assert_exact_under_pressure(s, hf) -> None:
         ]
         return await asyncio.gather(*calls)
 
-    results = asyncio.run(run())
-    for r in results:
+    return asyncio.run(run())
+
+
+def assert_exact_under_pressure(s, hf) -> None:
+    """On a server of 48-token steps and ~19 usable KV blocks (tight_server's flags): long
+    prompts are chunked, requests are preempted and resumed, a repeated prompt hits the prefix
+    cache, and every greedy output is transformers' own; no block stays in use."""
+    for r in long_prompts_at_once(s):
         c = r.choices[0]
         assert c.model_extra["token_ids"] == hf.greedy(c.model_extra["prompt_token_ids"], 24)
     # The long prompt alone (several hundred tokens over 48-token steps).

@@ -9,12 +9,17 @@ fed by torch_xla's compile counter).
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import pytest
 
-from tests.e2e.helpers import CHATS, LONG_PROMPT, PROMPTS, assert_no_blocks_in_use, metric_sum
+from tests.e2e.helpers import (
+    CHATS,
+    LONG_PROMPT,
+    PROMPTS,
+    assert_no_blocks_in_use,
+    long_prompts_at_once,
+    metric_sum,
+)
 from tests.support.processes import free_port, start_server
 
 #: A small budget and few KV blocks: long prompts are chunked, requests preempted.
@@ -57,23 +62,7 @@ def tpu_server(default_model_dir, tmp_path_factory):
 
 def _workload(server) -> list[list[int]]:
     """Concurrent long prompts (chunked, preempted), then a long prompt twice (prefix hit)."""
-    prompts = [f"{PROMPTS[i]} {LONG_PROMPT[: 100 + 40 * i]}" for i in range(4)]
-
-    async def run():
-        client = server.async_client()
-        calls = [
-            client.completions.create(
-                model=server.model_name,
-                prompt=p,
-                max_tokens=24,
-                temperature=0,
-                extra_body={"return_token_ids": True},
-            )
-            for p in prompts + prompts[:2]
-        ]
-        return await asyncio.gather(*calls)
-
-    results = [r.choices[0].model_extra for r in asyncio.run(run())]
+    results = [r.choices[0].model_extra for r in long_prompts_at_once(server)]
     client = server.client()
     for _ in range(2):
         r = client.completions.create(
