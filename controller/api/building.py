@@ -18,6 +18,11 @@ from controller.core.outputs import GenerationRequest
 # (a float32 subnormal on the wire) overflows them to inf, and the sampler's probabilities to
 # NaN, where the client asked for the most likely token.
 MIN_TEMPERATURE = 1e-5
+# Repetition penalties below this are raised to it: a positive logit is divided by the penalty,
+# so a smaller one overflows float32 logits to inf (1e-10 keeps logits of 1e27 finite), and one
+# below float32's smallest subnormal (e.g. 5e-324) reaches the executor as 0.0, which it
+# refuses. Either way the client asked for the strongest penalty, which this is.
+MIN_REPETITION_PENALTY = 1e-10
 _INT64 = 1 << 64
 
 
@@ -56,7 +61,11 @@ def sampling_params(
         seed=None if req.seed is None else choice_seed(req.seed, choice),
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=(
+            1.0
+            if req.repetition_penalty is None
+            else max(req.repetition_penalty, MIN_REPETITION_PENALTY)
+        ),
         logprobs=opts.logprobs,
         prompt_logprobs=opts.prompt_logprobs,
     )

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import ValidationError
 
-from common.wire.convert import sampling_to_pb
+from common.host.step_check import StepLimits, sampling_problem
+from common.wire.convert import sampling_from_pb, sampling_to_pb
 from controller.api.building import (
+    MIN_REPETITION_PENALTY,
     MIN_TEMPERATURE,
     BuildOptions,
     choice_seed,
@@ -57,6 +60,39 @@ def test_tiny_temperatures_are_greedy(temperature):
     req = CompletionRequest.model_validate({"prompt": "hi", "temperature": temperature})
     sampling = sampling_params(req, _opts(), 0, 100)
     assert sampling.greedy and sampling.temperature == 0.0
+
+
+EXTREME_FLOATS = [0.0, -0.0, 5e-324, 1e-45, 1e-39, 1e-12, 1e-5, 1.0, 2.0, 2.0000001, 1e308]
+FLOAT_FIELDS = [
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+]
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+@pytest.mark.parametrize("value", EXTREME_FLOATS)
+def test_every_float_the_api_accepts_is_one_the_executor_accepts(field, value):
+    """Either the body is refused (a 400), or the value, as sent over the wire (float32), is
+    one the executor's step check accepts: the fuzz test's repetition_penalty 5e-324 passed the
+    API's > 0 and reached the executor as 0.0 (a 500)."""
+    try:
+        req = CompletionRequest.model_validate({"prompt": "hi", field: value})
+    except ValidationError:
+        return
+    wire = sampling_from_pb(sampling_to_pb(sampling_params(req, _opts(), 0, 100)))
+    assert sampling_problem(wire, StepLimits()) == "", (field, value)
+
+
+def test_tiny_repetition_penalties_are_the_strongest_kept_finite():
+    for value in (5e-324, 1e-39, 1e-12):
+        req = CompletionRequest.model_validate({"prompt": "hi", "repetition_penalty": value})
+        assert sampling_params(req, _opts(), 0, 100).repetition_penalty == MIN_REPETITION_PENALTY
+    req = CompletionRequest.model_validate({"prompt": "hi", "repetition_penalty": 1e-3})
+    assert sampling_params(req, _opts(), 0, 100).repetition_penalty == 1e-3
 
 
 def test_normal_temperatures_and_top_k_are_kept():
