@@ -9,8 +9,6 @@ rows of an embedding or output projection. See common.torch.parallel for the lay
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -85,18 +83,10 @@ class Linear(ShardedWeight):
     libraries run much faster for the small row counts of decode steps.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        shard_sizes: list[int],
-        bias: bool,
-        dtype: torch.dtype,
-        **slicing: Any,
-    ):
-        super().__init__(in_features, shard_sizes, bias, dtype, **slicing)
-        self.ops: LayerOps = TORCH_LAYER_OPS
-        # Row-parallel: the group whose partial outputs are summed (None: the whole output).
-        self.reduce: TensorParallel | None = None
+    # The layer ops in use (LlamaForCausalLM.set_layer_ops sets them per layer).
+    ops: LayerOps = TORCH_LAYER_OPS
+    # Row-parallel: the group whose partial outputs are summed (None: the whole output).
+    reduce: TensorParallel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
