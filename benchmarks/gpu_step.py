@@ -53,6 +53,7 @@ from common.wire.step_types import (  # noqa: E402
     SamplingParams,
     StepInput,
 )
+from executor_gpu.follower import start_sharded_runner  # noqa: E402
 from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # H200 datasheet
@@ -159,18 +160,6 @@ def check_tiny_vs_hf(device: torch.device, smoke: bool) -> dict:
         "token_identical": same,
         "tokens_each": len(outputs[0]),
     }
-
-
-def sharded_runner(cfg: ExecutorConfig, device: torch.device) -> GPUModelRunner:
-    """Rank 0's runner over ``cfg.tensor_parallel_size`` devices (followers started)."""
-    from executor_gpu.follower import follower_main, threads_per_rank
-    from executor_gpu.ranks.group import RankGroup
-
-    if device.type == "cpu":
-        torch.set_num_threads(threads_per_rank(cfg))
-    group = RankGroup.start(cfg, device, follower_main)
-    geometry = load_model_geometry(cfg.model, cfg.max_model_len)
-    return GPUModelRunner(cfg, geometry, tp=group.tp, ranks=group)
 
 
 def time_forward(
@@ -376,8 +365,12 @@ def main(argv=None) -> None:
             load_format="dummy",
             tensor_parallel_size=a.tensor_parallel_size,
         )
-        runner = sharded_runner(cfg, device) if a.tensor_parallel_size > 1 else None
-        runner = runner or GPUModelRunner(cfg, load_model_geometry(path, cfg.max_model_len))
+        geometry = load_model_geometry(path, cfg.max_model_len)
+        runner = (
+            start_sharded_runner(cfg, geometry, device)
+            if a.tensor_parallel_size > 1
+            else GPUModelRunner(cfg, geometry)
+        )
         runner.load_model()
     runner.initialize_kv_cache(1 + max(batches) * per)
     report["weights_bytes"] = runner.weights_bytes

@@ -29,9 +29,8 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks.gpu_kernels import BLOCK, event_median_ms, fabricated_meta  # noqa: E402
 from common.host.settings import ExecutorConfig  # noqa: E402
 from common.wire.model_config import load_model_geometry  # noqa: E402
-from executor_gpu.follower import follower_main, threads_per_rank  # noqa: E402
+from executor_gpu.follower import start_sharded_runner  # noqa: E402
 from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
-from executor_gpu.ranks.group import RankGroup  # noqa: E402
 
 #: Model shapes (config.json) for the measured run and the traffic model.
 SHAPES = {
@@ -108,10 +107,7 @@ def build_runner(path: str, device: torch.device, size: int, batch: int, context
     if size == 1:
         runner = GPUModelRunner(cfg, geometry)
     else:
-        if device.type == "cpu":  # rank 0 takes its share of the cores, as the worker does
-            torch.set_num_threads(threads_per_rank(cfg))
-        group = RankGroup.start(cfg, device, follower_main)
-        runner = GPUModelRunner(cfg, geometry, tp=group.tp, ranks=group)
+        runner = start_sharded_runner(cfg, geometry, device)
     runner.load_model()
     runner.initialize_kv_cache(1 + batch * -(-(context + 1) // BLOCK))
     return runner

@@ -13,6 +13,7 @@ commands, whose error goes back to rank 0 in the reply.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -21,9 +22,17 @@ import torch.distributed as dist
 
 from common import logs
 from common.host.settings import ExecutorConfig
+from common.wire.config import ModelGeometry
 from common.wire.model_config import load_model_geometry
 from executor_gpu.model_runner import GPUModelRunner, resolve_device
-from executor_gpu.ranks.group import Command, Rendezvous, die_with_parent, join, rank_device
+from executor_gpu.ranks.group import (
+    Command,
+    RankGroup,
+    Rendezvous,
+    die_with_parent,
+    join,
+    rank_device,
+)
 from executor_gpu.ranks.leader_model import on_device
 
 log = logging.getLogger(__name__)
@@ -32,11 +41,21 @@ log = logging.getLogger(__name__)
 def threads_per_rank(config: ExecutorConfig) -> int:
     """torch threads of each rank on the CPU: the configured count, else the host's cores
     divided between the ranks (N ranks each taking every core would fight over them)."""
-    import os
-
     if config.num_threads > 0:
         return config.num_threads
     return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+
+
+def start_sharded_runner(
+    config: ExecutorConfig, geometry: ModelGeometry, device: torch.device
+) -> GPUModelRunner:
+    """Rank 0's runner over ``config.tensor_parallel_size`` devices: this process takes its
+    share of the CPU's cores (on the CPU), the followers are started and joined; the model is
+    not loaded yet."""
+    if device.type == "cpu":
+        torch.set_num_threads(threads_per_rank(config))
+    group = RankGroup.start(config, device, follower_main)
+    return GPUModelRunner(config, geometry, tp=group.tp, ranks=group)
 
 
 def follower_main(config: ExecutorConfig, rank: int, rendezvous: Rendezvous) -> None:

@@ -12,7 +12,7 @@ from common.host.worker_base import WorkerBase
 from common.wire.config import MemoryProfile
 from common.wire.model_config import load_model_geometry
 from common.wire.step_types import StepInput, StepOutput
-from executor_gpu.follower import follower_main, threads_per_rank
+from executor_gpu.follower import start_sharded_runner
 from executor_gpu.model_runner import GPUModelRunner, resolve_device
 from executor_gpu.ranks.group import RankGroup
 
@@ -68,20 +68,18 @@ class GPUWorker(WorkerBase):
             self.device_name = platform.processor() or platform.machine() or "cpu"
         if size > 1:
             self.device_name = f"{self.device_name} x{size}"
-        if device.type == "cpu" and (self.config.num_threads > 0 or size > 1):
-            torch.set_num_threads(threads_per_rank(self.config))
+        if self.config.num_threads > 0:
+            torch.set_num_threads(self.config.num_threads)
         self.device = device  # the bound device (rank 0's)
         geometry = load_model_geometry(
             self.config.model, self.config.max_model_len, self.config.served_model_name
         )
         if size > 1:
-            self.ranks = RankGroup.start(self.config, device, follower_main)
-        tp = self.ranks.tp if self.ranks is not None else None
-        self.model_runner = (
-            GPUModelRunner(self.config, geometry, tp=tp, ranks=self.ranks)
-            if tp is not None
-            else GPUModelRunner(self.config, geometry)
-        )
+            runner = start_sharded_runner(self.config, geometry, device)
+            self.ranks = runner.ranks
+        else:
+            runner = GPUModelRunner(self.config, geometry)
+        self.model_runner = runner
 
     def determine_available_memory(self) -> MemoryProfile:
         """KV-cache budget: on CUDA, total * gpu_memory_utilization minus the weights, the

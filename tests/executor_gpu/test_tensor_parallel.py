@@ -23,9 +23,8 @@ from common.torch.input_batch import InputBatch, RequestState, ScheduledRow  # n
 from common.torch.models import build_model  # noqa: E402
 from common.wire.model_config import load_model_geometry  # noqa: E402
 from common.wire.step_types import SamplingParams  # noqa: E402
-from executor_gpu.follower import follower_main  # noqa: E402
+from executor_gpu.follower import start_sharded_runner  # noqa: E402
 from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
-from executor_gpu.ranks.group import RankGroup  # noqa: E402
 from tests.support.mini_controller import BLOCK  # noqa: E402
 from tests.support.tiny_models import (  # noqa: E402
     KINDS,
@@ -46,8 +45,7 @@ def _start(path: str, size: int) -> GPUModelRunner:
         tensor_parallel_size=size,
         num_threads=1,
     )
-    group = RankGroup.start(cfg, torch.device("cpu"), follower_main)
-    runner = GPUModelRunner(cfg, load_model_geometry(path), tp=group.tp, ranks=group)
+    runner = start_sharded_runner(cfg, load_model_geometry(path), torch.device("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(64)
     return runner
