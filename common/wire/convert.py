@@ -75,7 +75,7 @@ def step_to_pb(step: StepInput) -> pb.StepRequest:
     msg = pb.StepRequest(step_id=step.step_id, finished_request_ids=step.finished_request_ids)
     add_new = msg.new_requests.add
     for r in step.new_requests:
-        add_new(
+        new = add_new(
             request_id=r.request_id,
             prompt_token_ids=r.prompt_token_ids,
             output_token_ids=r.output_token_ids,
@@ -84,6 +84,8 @@ def step_to_pb(step: StepInput) -> pb.StepRequest:
             num_computed_tokens=r.num_computed_tokens,
             num_scheduled_tokens=r.num_scheduled_tokens,
         )
+        if r.allowed_token_mask is not None:
+            new.allowed_token_mask = r.allowed_token_mask
     add_cached = msg.cached_requests.add
     for r in step.cached_requests:
         cached = add_cached(
@@ -93,6 +95,8 @@ def step_to_pb(step: StepInput) -> pb.StepRequest:
         )
         if r.new_block_ids:
             cached.new_block_ids.extend(r.new_block_ids)
+        if r.allowed_token_mask is not None:
+            cached.allowed_token_mask = r.allowed_token_mask
     return msg
 
 
@@ -147,6 +151,7 @@ def step_from_pb(m: pb.StepRequest) -> StepInput:
                 block_ids=list(r.block_ids),
                 num_computed_tokens=r.num_computed_tokens,
                 num_scheduled_tokens=r.num_scheduled_tokens,
+                allowed_token_mask=r.allowed_token_mask or None,
             )
             for r in m.new_requests
         ],
@@ -156,6 +161,7 @@ def step_from_pb(m: pb.StepRequest) -> StepInput:
                 new_block_ids=list(r.new_block_ids),
                 num_computed_tokens=r.num_computed_tokens,
                 num_scheduled_tokens=r.num_scheduled_tokens,
+                allowed_token_mask=r.allowed_token_mask or None,
             )
             for r in m.cached_requests
         ],

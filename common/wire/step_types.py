@@ -13,6 +13,14 @@ from dataclasses import dataclass, field
 GREEDY_TEMPERATURE = 1e-5
 
 
+
+def token_mask_bytes(vocab_size: int) -> int:
+    """Bytes of an allowed-token mask (structured output) over a vocabulary. A mask is packed
+    bits: little-endian uint32 words, bit t % 32 of word t // 32 set when token t may be
+    sampled; ceil(vocab / 32) words."""
+    return (vocab_size + 31) // 32 * 4
+
+
 @dataclass
 class SamplingParams:
     """How to pick the next token of one request."""
@@ -55,6 +63,9 @@ class NewRequestData:
     block_ids: list[int]  # KV blocks holding the request's tokens, in order
     num_computed_tokens: int  # tokens already in the cache (prefix hit); compute starts here
     num_scheduled_tokens: int  # tokens to compute in this step
+    # Structured output: the tokens this step may sample, as packed bits (token_mask_bytes
+    # says how); None = any token.
+    allowed_token_mask: bytes | None = None
 
 
 @dataclass
@@ -65,6 +76,7 @@ class CachedRequestData:
     new_block_ids: list[int]  # blocks appended to its block table since its last step
     num_computed_tokens: int  # tokens in the cache before this step
     num_scheduled_tokens: int  # tokens to compute in this step
+    allowed_token_mask: bytes | None = None  # as NewRequestData's; None = any token
 
 
 @dataclass
