@@ -15,10 +15,7 @@ scheduler stays free of it (and testable with a fake).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from controller.core.request import Request
+from typing import Protocol
 
 
 class OutputGrammar(Protocol):
@@ -42,7 +39,14 @@ class OutputGrammar(Protocol):
         ...
 
 
-def next_mask(request: Request) -> bytes:
+class Constrained(Protocol):
+    """What these functions use of a request (controller.core.request.Request)."""
+
+    grammar: OutputGrammar | None  # the output's grammar at the output's position
+    grammar_mask: bytes | None  # its allowed next tokens, once computed
+
+
+def next_mask(request: Constrained) -> bytes:
     """The allowed tokens of a constrained request's next sample (computed once per
     position: a request scheduled again after a preemption reuses it)."""
     mask = request.grammar_mask
@@ -52,7 +56,7 @@ def next_mask(request: Request) -> bytes:
     return mask
 
 
-def advance(request: Request, token_id: int) -> tuple[str | None, str]:
+def advance(request: Constrained, token_id: int) -> tuple[str | None, str]:
     """Feed a constrained request's sampled token to its grammar; (finish reason, error):
     "error" when the grammar refuses the token (an executor that did not apply the mask) or
     allows no token after it (a grammar that cannot be completed), "stop" when the output is
