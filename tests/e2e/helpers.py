@@ -66,9 +66,15 @@ MAX_TOKENS = 40
 
 
 async def stream_completion(
-    server, prompt: str, chunks: list[float], started: asyncio.Event, max_tokens: int = MAX_TOKENS
+    server,
+    prompt: str,
+    chunks: list[float],
+    started: asyncio.Event,
+    max_tokens: int = MAX_TOKENS,
+    extra: dict | None = None,
 ) -> str:
-    """Stream one greedy completion; record each chunk's arrival time."""
+    """Stream one greedy completion (`extra`: more body fields); record each chunk's arrival
+    time."""
     text = ""
     async with server.async_client() as client:
         resp = await client.completions.create(
@@ -77,7 +83,7 @@ async def stream_completion(
             max_tokens=max_tokens,
             temperature=0,
             stream=True,
-            extra_body={"ignore_eos": True},
+            extra_body={"ignore_eos": True, **(extra or {})},
         )
         async for chunk in resp:
             piece = chunk.choices[0].text if chunk.choices else ""
@@ -89,7 +95,9 @@ async def stream_completion(
     return text
 
 
-def expected_texts(server, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list[str]:
+def expected_texts(
+    server, prompts: list[str], max_tokens: int = MAX_TOKENS, extra: dict | None = None
+) -> list[str]:
     async def run():
         async with server.async_client() as client:
             rs = await asyncio.gather(
@@ -99,7 +107,7 @@ def expected_texts(server, prompts: list[str], max_tokens: int = MAX_TOKENS) -> 
                         prompt=p,
                         max_tokens=max_tokens,
                         temperature=0,
-                        extra_body={"ignore_eos": True},
+                        extra_body={"ignore_eos": True, **(extra or {})},
                     )
                     for p in prompts
                 )

@@ -18,9 +18,11 @@ import sys
 import time
 
 import httpx
+import jsonschema
 import pytest
 
 from tests.e2e.helpers import (
+    MAX_TOKENS,
     PROMPTS,
     assert_no_blocks_in_use,
     expected_texts,
@@ -83,17 +85,19 @@ def test_killed_executor_is_recovered_and_streams_continue(default_model_dir, tm
         server.stop()
 
 
-def _fail_one_mid_stream(server, sig: signal.Signals):
-    """Start the streams, then send `sig` to the executor holding most of them. Returns
-    (texts, expected, victim index, seconds from the signal to the victim marked lost,
-    longest stream pause after the signal, the victim's state before)."""
-    expected = expected_texts(server, STREAM_PROMPTS)
+def _fail_one_mid_stream(
+    server, sig: signal.Signals, extra: dict | None = None, max_tokens: int = MAX_TOKENS
+):
+    """Start the streams (`extra`: more body fields), then send `sig` to the executor holding
+    most of them. Returns (texts, expected, victim index, seconds from the signal to the
+    victim marked lost, longest stream pause after the signal, the victim's state before)."""
+    expected = expected_texts(server, STREAM_PROMPTS, max_tokens, extra)
 
     async def run():
         started = asyncio.Event()
         chunks = [[] for _ in STREAM_PROMPTS]
         tasks = [
-            asyncio.create_task(stream_completion(server, p, c, started))
+            asyncio.create_task(stream_completion(server, p, c, started, max_tokens, extra))
             for p, c in zip(STREAM_PROMPTS, chunks)
         ]
         await asyncio.wait_for(started.wait(), timeout=120)
@@ -134,17 +138,7 @@ def test_kill9_one_of_two_executors_mid_stream(executor_pair, default_model_dir)
     metrics = httpx.get(server.base_url + "/metrics").text
     assert metric_sum(metrics, "tandem:requests_failed_over_total") >= victim["requests"]
     # Restart the killed executor on its port: a new incarnation joins and takes work again.
-    server.executors[index].wait()
-    port = server.executor_ports[index]
-    log = open(os.path.join(server.log_dir, f"executor{index}-restarted.log"), "w")
-    server.executors[index] = subprocess.Popen(
-        [sys.executable, *executor_command("executor_gpu", default_model_dir, port)],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    state = wait_healthy_executors(server, 2)
+    state = _restart(server, index, default_model_dir)
     back = next(e for e in state if e["address"] == victim["address"])
     assert back["incarnation"] != victim["incarnation"] and back["reconnects"] >= 1
     placed_before = back["requests_placed"]
@@ -153,6 +147,57 @@ def test_kill9_one_of_two_executors_mid_stream(executor_pair, default_model_dir)
     back = next(e for e in server.executors_state() if e["address"] == victim["address"])
     assert back["requests_placed"] > placed_before, back
     assert_no_blocks_in_use(server)
+
+
+def _restart(server, index: int, model_dir) -> list[dict]:
+    """Start the killed executor `index` again on its port; the fleet's state once both are
+    healthy."""
+    server.executors[index].wait()
+    port = server.executor_ports[index]
+    log = open(os.path.join(server.log_dir, f"executor{index}-restarted.log"), "w")
+    server.executors[index] = subprocess.Popen(
+        [sys.executable, *executor_command("executor_gpu", model_dir, port)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    return wait_healthy_executors(server, 2)
+
+
+# Long constrained outputs: 24 short strings, ~100 tokens of JSON.
+LIST_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "words": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 8},
+            "minItems": 24,
+            "maxItems": 24,
+        }
+    },
+    "required": ["words"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.slow
+def test_constrained_requests_survive_kill9_of_their_executor(executor_pair, default_model_dir):
+    """JSON-schema requests moved mid-output to the other executor continue under the same
+    grammar (replayed over their output so far): every text validates and equals the run
+    without a failure."""
+    server = executor_pair
+    wait_healthy_executors(server, 2)
+    extra = {"structured_outputs": {"json": LIST_SCHEMA}}
+    texts, expected, index, _, _, victim = _fail_one_mid_stream(
+        server, signal.SIGKILL, extra, max_tokens=400
+    )
+    assert victim["requests"] > 0
+    assert texts == expected
+    for text in texts:
+        jsonschema.validate(json.loads(text), LIST_SCHEMA)
+    assert_no_blocks_in_use(server)
+    _restart(server, index, default_model_dir)
 
 
 @pytest.mark.slow
