@@ -83,7 +83,7 @@ async def one(client, model: str, constrained: bool, a, max_tokens: int) -> tupl
 async def run_mix(server, a, share: float, max_tokens: int) -> dict:
     """`a.requests` requests, `a.concurrency` at a time; every 1/share-th one constrained."""
     sem = asyncio.Semaphore(a.concurrency)
-    flags = [share > 0 and (i * share) % 1 + share > 1 - 1e-9 for i in range(a.requests)]
+    flags = [int((i + 1) * share) > int(i * share) for i in range(a.requests)]  # spread
 
     async with server.async_client(timeout=600) as client:
 

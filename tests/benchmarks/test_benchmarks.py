@@ -309,3 +309,20 @@ def test_gpu_step_benchmark_smoke_sharded_over_two_ranks(tmp_path):
     assert report["tensor_parallel_size"] == 2 and report["graphs_captured"] == 0
     assert {(r["batch"], r["variant"]) for r in report["forward"]} == {(1, "fused"), (3, "fused")}
     assert report["executor_step_ms"] > 0
+
+
+def test_structured_benchmark_runs_every_mix_over_the_simulator(default_model_dir, tmp_path):
+    """structured.py: the three mixes in one run (ratios to the unconstrained one), the mask
+    times per string schema, and the wire bytes of a masked step at both vocabularies."""
+    out = tmp_path / "structured.json"
+    args = ["benchmarks/structured.py", "--executor", "sim", "--requests", "4"]
+    args += ["--concurrency", "2", "--items", "3", "--json", str(out)]
+    done = run_script(args, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    mixes = report["mixes"]
+    assert [m["constrained"] for m in mixes] == [0.0, 0.5, 1.0]
+    assert mixes[0]["throughput_ratio"] == 1.0 and all(m["output_tokens"] > 0 for m in mixes)
+    assert set(report["mask_us"]) >= {"unbounded", "maxLength 6"}
+    wire = report["wire_bytes_per_request_vocab151936"]
+    assert wire["masked"] - wire["plain"] >= 151_936 // 8
