@@ -114,7 +114,10 @@ def generation_requests(
     for p_index, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
         for j in range(req.n):
             sampling = sampling_params(req, opts, j, vocab_size)
-            min_tokens = min(req.min_tokens, limit)
+            # A grammar decides where a constrained output ends: min_tokens would mask the EOS
+            # that a complete output needs, leaving no token to sample.
+            constrained = opts.grammars.output is not None
+            min_tokens = 0 if constrained else min(req.min_tokens, limit)
             if min_tokens:
                 sampling.min_tokens, sampling.stop_token_ids = min_tokens, ending
             gens.append(

@@ -12,8 +12,12 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.wire.step_types import SamplingParams
+
+if TYPE_CHECKING:
+    from controller.core.output_grammar import OutputGrammar
 
 FinishReason = str  # why a request ended: "stop" | "length" | "abort" | "error"
 
@@ -50,6 +54,9 @@ class Request:
     priority: int = 0  # lower value = more urgent (used by the priority policy only)
     arrival_time: float = field(default_factory=time.monotonic)  # monotonic seconds
     max_model_len: int = 0  # stop with "length" once prompt + output reach it; 0 = no limit
+    # Structured output: the grammar the output must match, at the output's current position
+    # (it advances with each token received); None = free output.
+    grammar: OutputGrammar | None = None
 
     # Mutable state, owned by the scheduler and the KV-cache manager.
     output_token_ids: list[int] = field(default_factory=list)  # generated tokens so far

@@ -27,6 +27,7 @@ from common.wire.step_types import (
     StepOutput,
 )
 from controller.core.kv_cache import KVCacheManager
+from controller.core.output_grammar import grammar_verdict
 from controller.core.request import (
     FINISH_REASONS,
     FinishReason,
@@ -81,6 +82,7 @@ class Scheduler(SchedulerBase):
         self._num_preemptions = 0  # cumulative
         self._last_step_tokens = 0  # tokens scheduled by the last step
         self._inflight: dict[int, dict[str, _Scheduled]] = {}  # step id -> what it does
+        self._num_constrained = 0  # live requests with an output grammar
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -94,6 +96,9 @@ class Scheduler(SchedulerBase):
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
+
+    def needs_results_first(self) -> bool:
+        return self._num_constrained > 0
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -142,6 +147,8 @@ class Scheduler(SchedulerBase):
         request.max_model_len = min(limit for limit, _ in limits)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        if request.grammar is not None:
+            self._num_constrained += 1
         self.waiting.push(request)
 
     def finish_requests(self, request_ids: list[str], reason: FinishReason) -> None:
@@ -164,6 +171,8 @@ class Scheduler(SchedulerBase):
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
+        if request.grammar is not None:
+            self._num_constrained -= 1
 
     # -- scheduling --------------------------------------------------------------------------
 
@@ -210,6 +219,9 @@ class Scheduler(SchedulerBase):
             pending = request.num_pending_tokens
             num_known = len(request.prompt_token_ids) + num_output
             num_new = num_known + pending - request.num_computed_tokens
+            if pending and request.grammar is not None:
+                index += 1  # its next allowed tokens depend on the token in flight
+                continue
             if pending and (
                 num_output + pending >= request.max_tokens
                 or (0 < request.max_model_len <= num_known + pending)
@@ -242,13 +254,16 @@ class Scheduler(SchedulerBase):
                 continue  # `request` preempted itself; the next one is now at `index`
             rid = request.request_id
             start = request.num_computed_tokens
-            cached[rid] = CachedRequestData(rid, new_block_ids, start, num_new)
             # Inlined _advance: a chunk reaching the end of the known tokens and placeholders
             # samples one more.
             request.num_computed_tokens = start + num_new
             samples = start + num_new == num_known + pending
+            mask = None
             if samples:
                 request.num_pending_tokens = pending + 1
+                if request.grammar is not None:
+                    mask = request.grammar.allowed_mask()
+            cached[rid] = CachedRequestData(rid, new_block_ids, start, num_new, mask)
             plan[rid] = _Scheduled(start, num_new, samples, request.num_preemptions)
             budget -= num_new
             index += 1
@@ -275,6 +290,7 @@ class Scheduler(SchedulerBase):
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             self.running.append(request)
+            entry = plan[request.request_id] = self._advance(request, num_new)
             new.append(
                 NewRequestData(
                     request_id=request.request_id,
@@ -284,9 +300,13 @@ class Scheduler(SchedulerBase):
                     block_ids=block_ids,
                     num_computed_tokens=num_hit,
                     num_scheduled_tokens=num_new,
+                    allowed_token_mask=(
+                        request.grammar.allowed_mask()
+                        if entry.samples and request.grammar is not None
+                        else None
+                    ),
                 )
             )
-            plan[request.request_id] = self._advance(request, num_new)
             budget -= num_new
 
         self._last_step_tokens = full_budget - budget
@@ -346,6 +366,8 @@ class Scheduler(SchedulerBase):
                     if out is not None and out.logprobs is not None:
                         update.logprobs = [out.logprobs]
                     update.finish_reason = request.check_stop()
+                    if request.grammar is not None and update.finish_reason is None:
+                        update.finish_reason, update.error = grammar_verdict(request.grammar, token)
             if update.finish_reason is not None:
                 self._finish(request, update.finish_reason, unlink=False)
                 update.finished = True

@@ -150,6 +150,13 @@ class SchedulerBase(abc.ABC):
     def get_request(self, request_id: str) -> Request | None:
         """A live (unfinished) request, or None."""
 
+    def needs_results_first(self) -> bool:
+        """Whether the next step must wait until every step in flight has been applied: a
+        constrained request's allowed tokens (see controller.core.output_grammar) depend on
+        the token it is sampling. The default scheduler says so while it holds any
+        constrained request, so those steps are not pipelined. False unless overridden."""
+        return False
+
     def peek_prefix_hit(self, block_hashes: list[bytes], num_tokens: int) -> int:
         """Tokens of a sequence (its full-block hashes, its length) this executor's prefix
         cache would serve now, without side effects; placement uses it. 0 unless overridden."""

@@ -84,7 +84,11 @@ class StepLoop:
             self.health.check()
             if self.leaving and not self.tracked and not inflight:
                 return  # drained (the session ends)
-            if len(inflight) < max(depth, 1) and sched.has_unfinished_requests():
+            if (
+                len(inflight) < max(depth, 1)
+                and sched.has_unfinished_requests()
+                and not (inflight and sched.needs_results_first())
+            ):
                 if target > 0:  # a slow device's steps kept short (StepCostModel.step_budget)
                     sched.token_budget = self.cost.step_budget(
                         target, sched.config.max_num_batched_tokens, sched.num_running + 1

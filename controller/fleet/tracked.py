@@ -98,6 +98,10 @@ def scheduler_request(
     )
     if output_so_far:
         req.output_token_ids = list(output_so_far)
+    if gen.grammar is not None:  # at the output's position: replayed after a move
+        req.grammar = gen.grammar.replay(req.output_token_ids)
+        if req.grammar.failed:
+            raise ValueError(f"the output so far does not match its grammar: {req.grammar.error}")
     return req
 
 

@@ -41,6 +41,7 @@ class _Held:
     num_prompt: int  # prompt length
     computed: int  # tokens with KV written
     table: list[int]  # block table
+    mask: bytes | None = None  # allowed tokens of this step's sample (structured output)
     prefix_keys: list[int] = field(default_factory=list)  # KV "content" of every position
 
 
@@ -57,6 +58,8 @@ class FakeExecutor:
         self.kv: dict[int, dict[int, int]] = {}  # block id -> slot -> content key
         self.fail: set[str] = set()  # request ids to answer with an error
         self.last_step_id = 0  # step ids must follow each other
+        self.ignore_masks = False  # sample as if no allowed-token mask came (a broken executor)
+        self.masks_seen = 0  # allowed-token masks received with a sample
 
     def _key(self, held: _Held, pos: int) -> int:
         while len(held.prefix_keys) <= pos:
@@ -81,11 +84,13 @@ class FakeExecutor:
                 list(new.block_ids),
             )
             self.held[new.request_id] = held
+            held.mask = new.allowed_token_mask
             work.append((new.request_id, held, new.num_scheduled_tokens))
         for cached in step.cached_requests:
             held = self.held[cached.request_id]
             assert held.computed == cached.num_computed_tokens
             held.table.extend(cached.new_block_ids)
+            held.mask = cached.allowed_token_mask
             work.append((cached.request_id, held, cached.num_scheduled_tokens))
         bs = self.block_size
         for _, held, n in work:  # write every scheduled token's KV first ...
@@ -109,10 +114,24 @@ class FakeExecutor:
                 token = (
                     script[index] if script and index < len(script) else model_token(held.tokens)
                 )
+                if held.mask is not None:
+                    self.masks_seen += 1
+                    if not self.ignore_masks:
+                        token = allowed_token(held.mask, token)
                 held.tokens.append(token)
                 out.sampled_token_id = token
             outputs.append(out)
         return StepOutput(step.step_id, outputs)
+
+
+def allowed_token(mask: bytes, preferred: int) -> int:
+    """The token a masked sample takes: `preferred` if the mask allows it, else the lowest
+    allowed one (packed little-endian words: bit t of the whole mask is token t)."""
+    bits = int.from_bytes(mask, "little")
+    if bits >> preferred & 1:
+        return preferred
+    assert bits, "the mask allows no token"
+    return (bits & -bits).bit_length() - 1
 
 
 def make_config(**kw) -> SchedulerConfig:
