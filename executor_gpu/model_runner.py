@@ -39,6 +39,7 @@ from common.torch.sampling import (
     compute_prompt_logprobs,
 )
 from common.wire.config import ModelGeometry
+from common.wire.step_types import token_mask_bytes
 from executor_gpu.cpu import kernels as cpu_kernels
 from executor_gpu.cuda.graphs import DecodeGraphs, capture_sizes
 from executor_gpu.ranks.group import RankGroup
@@ -249,7 +250,8 @@ class GPUModelRunner(TorchModelRunner):
             cache.view(2, -1, *cache.shape[3:])[:, slots] = 0
 
     def _sampling_metadata(self, states: list[RequestState]):
-        """Sampling tensors of the sampling rows (token histories only for penalty rows)."""
+        """Sampling tensors of the sampling rows (token histories only for penalty rows; the
+        structured-output masks of this step's constrained rows)."""
         params = [s.sampling for s in states]
         pen = [p.has_penalties for p in params]
         return build_sampling_metadata(
@@ -261,6 +263,7 @@ class GPUModelRunner(TorchModelRunner):
             device=self.device,
             max_logprobs=self.config.max_logprobs,
             num_outputs=[s.num_output_tokens for s in states],
+            masks=[s.allowed_token_mask for s in states],
         )
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch) -> dict[int, list]:
@@ -298,6 +301,9 @@ class GPUModelRunner(TorchModelRunner):
         num_reqs = max(1, min(num_tokens, max(num_reqs, -(-num_tokens // longest))))
         decode = num_tokens == num_reqs and bool(self.kv_caches)
         rows = self.dummy_rows(num_tokens, num_reqs, bs - 1 if decode else 0, DUMMY_SAMPLING)
+        full = b"\xff" * token_mask_bytes(self.geometry.vocab_size)
+        for row in rows:  # the worst case masks every row too (structured output)
+            row.state.allowed_token_mask = full
         batch = self.input_batch.build(rows)
         if not decode:
             self.model.bind_kv_cache(None)

@@ -110,10 +110,13 @@ class SimModelRunner(ModelRunnerBase):
                     req.token_ids[computed + 1 : last + 1], sampling.prompt_logprobs
                 )
             if end == len(req.token_ids):
-                token = sampler.sample(sampling, req.prompt_key, end, end - req.num_prompt_tokens)
+                mask = req.allowed_token_mask  # structured output: this step's tokens
+                outputs_so_far = end - req.num_prompt_tokens
+                token = sampler.sample(sampling, req.prompt_key, end, outputs_so_far, mask)
                 out.sampled_token_id = token
                 if sampling.logprobs is not None:
-                    out.logprobs = sampler.logprobs(token, sampling.logprobs)
+                    allowed = sampler.allowed_bits(mask) if mask else None
+                    out.logprobs = sampler.logprobs(token, sampling.logprobs, allowed)
                 req.token_ids.append(token)
                 shape.num_sampled += 1
             outputs[req.request_id] = out

@@ -5,6 +5,12 @@ one of (seed, position), so the same request gives the same output after a preem
 another executor, as with a real model. Unseeded random requests draw from the session's
 generator. Ending ids (EOS and the request's stop ids) are sampled only on purpose: with
 probability ``eos_prob`` per token once ``min_tokens`` tokens are out.
+
+A structured-output request's step brings its allowed tokens (packed bits, common.wire.
+step_types.token_mask_bytes): the sampler keeps its usual token when the mask allows it, else
+takes the first allowed token at or after it (wrapping), preferring tokens that do not end the
+request; an ending token only when the grammar allows nothing else. So controller tests over
+the simulator get grammar-valid output, still a deterministic function of the same inputs.
 """
 
 from __future__ import annotations
@@ -24,6 +30,15 @@ def mix64(*values: int) -> int:
         h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK
         h ^= h >> 29
     return h
+
+
+def next_set_bit(bits: int, start: int) -> int:
+    """The lowest set bit of ``bits`` at or after ``start``, else the lowest of all (wrapping);
+    ``bits`` must not be 0."""
+    high = bits >> start
+    if high:
+        return start + (high & -high).bit_length() - 1
+    return (bits & -bits).bit_length() - 1
 
 
 class FakeSampler:
@@ -55,9 +70,35 @@ class FakeSampler:
         return self.rng.getrandbits(64)
 
     def sample(
+        self,
+        sampling: SamplingParams,
+        prompt_key: int,
+        position: int,
+        num_output_tokens: int,
+        mask: bytes | None = None,
+    ) -> int:
+        """The token at ``position`` of a request whose prompt hashes to ``prompt_key``, among
+        the tokens ``mask`` allows (None: any)."""
+        token = self._unconstrained(sampling, prompt_key, position, num_output_tokens)
+        if not mask:
+            return token
+        allowed = self.allowed_bits(mask)
+        if allowed >> token & 1:
+            return token
+        ending = set(sampling.stop_token_ids).union(self.eos_token_ids)
+        going_on = allowed
+        for t in ending:
+            going_on &= ~(1 << t)
+        return next_set_bit(going_on or allowed, token)
+
+    def allowed_bits(self, mask: bytes) -> int:
+        """A packed mask as one integer whose bit t says whether token t is allowed (the
+        little-endian words read as little-endian bytes), padding past the vocabulary off."""
+        return int.from_bytes(mask, "little") & ((1 << self.vocab_size) - 1)
+
+    def _unconstrained(
         self, sampling: SamplingParams, prompt_key: int, position: int, num_output_tokens: int
     ) -> int:
-        """The token at ``position`` of a request whose prompt hashes to ``prompt_key``."""
         ending = sampling.stop_token_ids or self.eos_token_ids
         if (
             self.eos_prob > 0
@@ -73,15 +114,23 @@ class FakeSampler:
             token = (token + 1) % self.vocab_size
         return token
 
-    def logprobs(self, token_id: int, num_top: int | None) -> TokenLogprobs:
-        """Made-up logprobs of ``token_id`` ranked first, plus ``num_top`` alternatives."""
+    def logprobs(
+        self, token_id: int, num_top: int | None, allowed: int | None = None
+    ) -> TokenLogprobs:
+        """Made-up logprobs of ``token_id`` ranked first, plus ``num_top`` alternatives; with
+        ``allowed`` (a mask's bits, see ``allowed_bits``) only allowed tokens, as many as
+        there are (the constrained distribution)."""
         k = min(num_top or 0, self.max_logprobs)
+        if allowed is not None:
+            k = min(k, allowed.bit_count())
         logprob = -self.rng.random()
         top_ids = [token_id] if k else []
         top_lps = [logprob] if k else []
         current = logprob
         while len(top_ids) < k:
             candidate = self.rng.randrange(self.vocab_size)
+            if allowed is not None:
+                candidate = next_set_bit(allowed, candidate)
             if candidate in top_ids:
                 continue
             current -= self.rng.random() + 0.01

@@ -20,6 +20,7 @@ from common.host.step_check import (
     new_request_problem,
     schedule_problem,
     step_problems,
+    token_mask_problem,
 )
 from common.wire.step_types import NewRequestData, SamplingParams, StepInput
 
@@ -33,13 +34,21 @@ class RequestState:
     num_prompt_tokens: int  # length of the prompt part of token_ids
     block_ids: list[int]  # KV blocks of the request, in sequence order
     sampling: SamplingParams  # how to sample it
+    # Structured output: the tokens this step may sample (packed bits, common.wire.step_types.
+    # token_mask_bytes), replaced by every step that schedules the request; None = any token.
+    allowed_token_mask: bytes | None = None
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> RequestState:
         """The state of a request the step sends whole."""
         tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
         return cls(
-            new.request_id, tokens, len(new.prompt_token_ids), list(new.block_ids), new.sampling
+            new.request_id,
+            tokens,
+            len(new.prompt_token_ids),
+            list(new.block_ids),
+            new.sampling,
+            new.allowed_token_mask or None,
         )
 
     @property
@@ -119,6 +128,8 @@ class RequestTable:
             new_blocks = cached.new_block_ids
             if new_blocks and not bad:  # most decode steps bring no block
                 bad = block_ids_problem(new_blocks, limits)
+            if cached.allowed_token_mask and not bad:  # constrained requests only
+                bad = token_mask_problem(cached.allowed_token_mask, limits)
             if not bad:
                 blocks = len(state.block_ids) + len(new_blocks)
                 bad = schedule_problem(
@@ -133,5 +144,6 @@ class RequestTable:
                 requests.pop(rid, None)
                 continue
             state.block_ids.extend(new_blocks)
+            state.allowed_token_mask = cached.allowed_token_mask or None  # this step's, or none
             runnable.append((state, cached.num_computed_tokens, cached.num_scheduled_tokens))
         return runnable, errors

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
-from common.wire.step_types import NewRequestData, SamplingParams, StepInput
+from common.wire.step_types import NewRequestData, SamplingParams, StepInput, token_mask_bytes
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_PENALTY = 2.0  # presence / frequency penalties beyond +-2 are no sampling anyone asked for
@@ -82,6 +82,25 @@ def _ids_in_range(ids: Sequence[int], end: int) -> bool:
     return min(ids) >= 0 and max(ids) < end
 
 
+def token_mask_problem(mask: bytes | None, limits: StepLimits) -> str:
+    """Why a structured-output mask cannot be applied ("" when it can, or when there is none):
+    it must hold exactly ``token_mask_bytes(vocab)`` bytes and allow some token below the
+    vocabulary size (bits past it are padding and ignored). Checked on the received bytes,
+    before the executor builds anything from them. None or empty: no mask (the wire's
+    unconstrained request)."""
+    if not mask:
+        return ""
+    expected = token_mask_bytes(limits.vocab_size)
+    if len(mask) != expected:
+        vocab = limits.vocab_size
+        return f"allowed_token_mask holds {len(mask)} bytes, not {expected} (vocab {vocab})"
+    # Little-endian words of little-endian bits: bit t of the whole little-endian number is
+    # token t, so one big-integer test covers the mask (no per-token loop).
+    if not int.from_bytes(mask, "little") & ((1 << limits.vocab_size) - 1):
+        return "allowed_token_mask allows no token"
+    return ""
+
+
 def block_ids_problem(block_ids: Sequence[int], limits: StepLimits) -> str:
     """Why these block ids cannot be written to ("" when they can). Block 0 is the null block
     padding writes to: a request never owns it."""
@@ -111,7 +130,11 @@ def new_request_problem(r: NewRequestData, limits: StepLimits) -> str:
     # and attention reads them only masked).
     passed = r.num_computed_tokens // limits.block_size
     owned = [b for b in r.block_ids[:passed] if b != 0] + r.block_ids[passed:]
-    return block_ids_problem(owned, limits) or sampling_problem(r.sampling, limits)
+    return (
+        block_ids_problem(owned, limits)
+        or sampling_problem(r.sampling, limits)
+        or token_mask_problem(r.allowed_token_mask, limits)
+    )
 
 
 def schedule_problem(

@@ -2,13 +2,22 @@
 
 All rows of a step are sampled together. Order of operations per row:
 
-1. logprobs (when asked) come from ``log_softmax`` of the RAW logits;
-2. penalties (only rows that have any): repetition over prompt + generated tokens (positive
+1. structured output (only rows with an allowed-token mask; common.torch.token_mask): tokens
+   the request's grammar does not allow get logit -inf, on the device, before anything else;
+2. logprobs (when asked) come from ``log_softmax`` of these logits: the RAW logits of an
+   unconstrained row, the masked ones of a constrained row (the constrained distribution, as
+   vLLM's processed logprobs: a disallowed token never appears among the top logprobs, and
+   top entries of probability 0 are left out);
+3. penalties (only rows that have any): repetition over prompt + generated tokens (positive
    logits divided, negative multiplied), then frequency and presence over generated tokens;
-3. greedy rows (temperature 0) take the argmax;
-4. random rows: divide by temperature, keep the top_k best, then the smallest top_p nucleus
+   then min_tokens' suppression of stop ids, which a mask overrides when it would leave a
+   constrained row no token at all (the grammar allows only a stop);
+4. greedy rows (temperature 0) take the argmax;
+5. random rows: divide by temperature, keep the top_k best, then the smallest top_p nucleus
    (of the top-k distribution), then drop tokens whose probability is below min_p times the
    best one; sample by the exponential race ``argmax(probs / E)``, ``E ~ Exp(1)`` per token.
+   A masked token has probability 0 and is never drawn (in a step with masks the noise is
+   kept finite, so that a 0 can never tie with an allowed token).
 
 Random rows come in two groups: rows with top-k/top-p work on a few candidate tokens (a top-k
 instead of a full-vocabulary sort; rows with top-p only take ``TOP_P_CANDIDATES`` and fall back to
@@ -22,11 +31,13 @@ Unseeded rows draw from one generator seeded with the executor's seed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from common.torch.token_mask import apply_token_masks, keep_some_token, mask_tensors
 from common.wire.step_types import SamplingParams, TokenLogprobs
 
 #: Candidates kept for rows with top-p but no top-k before checking they hold the nucleus.
@@ -70,6 +81,10 @@ class SamplingMetadata:
     max_num_logprobs: int  # k computed for the batch; -1 = no row asked
     suppress_rows: torch.Tensor | None = None  # [B] rows still short of min_tokens
     suppress_ids: torch.Tensor | None = None  # [B] the stop id masked in that row
+    # Structured output: packed allowed-token masks [M, bytes] uint8 of the masked rows (None:
+    # no row has one, nothing is built), and those rows [M] int64 (None: every row, in order).
+    masks: torch.Tensor | None = None
+    mask_rows: torch.Tensor | None = None
 
     @property
     def needs_logprobs(self) -> bool:
@@ -95,18 +110,16 @@ class LogprobsTensors:
             self.top_ids.tolist(),
             self.top_logprobs.tolist(),
         )
-        return [
-            None
-            if k is None
-            else TokenLogprobs(
-                token_id=ids[i],
-                logprob=lps[i],
-                rank=ranks[i],
-                top_token_ids=top_ids[i][:k],
-                top_logprobs=top_lps[i][:k],
-            )
-            for i, k in enumerate(num_top)
-        ]
+        out: list[TokenLogprobs | None] = []
+        for i, k in enumerate(num_top):
+            if k is None:
+                out.append(None)
+                continue
+            # Best first: a -inf entry and all after it are tokens of probability 0 (masked).
+            row = top_lps[i][:k]
+            k = next((j for j, lp in enumerate(row) if lp == -math.inf), len(row))
+            out.append(TokenLogprobs(ids[i], lps[i], ranks[i], top_ids[i][:k], row[:k]))
+        return out
 
 
 @dataclass
@@ -171,12 +184,14 @@ def build_sampling_metadata(
     device: torch.device | str,
     max_logprobs: int = 20,
     num_outputs: Sequence[int] | None = None,
+    masks: Sequence[bytes | None] | None = None,
 ) -> SamplingMetadata:
     """Host-side construction of a step's sampling tensors.
 
     ``positions[i]`` is the sequence index the sampled token of row i will occupy (it keys the
     seeded noise). Token histories are read only for rows with penalties. ``num_outputs[i]``
     (tokens generated so far) decides which rows are still short of their min_tokens.
+    ``masks[i]`` is row i's packed allowed-token mask (None or empty: any token).
     """
     rows = range(len(params))
     greedy = [i for i in rows if params[i].greedy]
@@ -206,6 +221,7 @@ def build_sampling_metadata(
         num_logprobs=num_lp,
         max_num_logprobs=max(asked) if asked else -1,
     )
+    meta.mask_rows, meta.masks = mask_tensors(masks, device)
     if num_outputs is not None:
         pairs = [
             (i, t)
@@ -357,23 +373,31 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of float32 ``logits`` [S, V]."""
+        if meta.masks is not None:  # structured output first: the constrained distribution
+            logits = apply_token_masks(logits, meta.mask_rows, meta.masks)
         raw = logits
         logits = apply_penalties(logits, meta)
         if meta.suppress_rows is not None:  # no stop token before min_tokens
-            logits = logits.clone() if logits is raw else logits
+            kept = logits
+            logits = logits.clone() if logits is raw or meta.masks is not None else logits
             logits[meta.suppress_rows, meta.suppress_ids] = float("-inf")
+            if meta.masks is not None:  # ... unless the grammar allows nothing else
+                logits = keep_some_token(logits, kept)
         if meta.greedy_rows is not None and not meta.random_groups:
             sampled = logits.argmax(dim=-1)
         else:
             sampled = torch.empty(meta.num_rows, dtype=torch.int64, device=logits.device)
             if meta.greedy_rows is not None:
                 sampled[meta.greedy_rows] = logits[meta.greedy_rows].argmax(dim=-1)
+            finite = meta.masks is not None
             for group in meta.random_groups:
-                sampled[group.rows] = self._sample_group(logits[group.rows], group)
+                sampled[group.rows] = self._sample_group(logits[group.rows], group, finite)
         lp = compute_logprobs(raw, sampled, meta.max_num_logprobs) if meta.needs_logprobs else None
         return SamplerOutput(sampled_token_ids=sampled, logprobs=lp)
 
-    def _sample_group(self, logits: torch.Tensor, group: RandomGroup) -> torch.Tensor:
+    def _sample_group(
+        self, logits: torch.Tensor, group: RandomGroup, finite_noise: bool = False
+    ) -> torch.Tensor:
         vocab = logits.shape[1]
         logits = logits / group.temperature[:, None]
         ids = None
@@ -384,7 +408,10 @@ class Sampler:
         if group.min_p is not None:
             logits = apply_min_p(logits, group.min_p)
         probs = logits.softmax(dim=-1)
-        choice = (probs / self._exponential(group, ids, probs.shape, vocab)).argmax(dim=-1)
+        noise = self._exponential(group, ids, probs.shape, vocab)
+        if finite_noise:  # E = inf (a draw of exactly 0) would tie with the masked zeros;
+            noise = noise.clamp_max(64.0)  # any other draw of torch.rand gives E < 17
+        choice = (probs / noise).argmax(dim=-1)
         return choice if ids is None else ids.gather(1, choice[:, None])[:, 0]
 
     def _exponential(

@@ -39,13 +39,38 @@ class OutputGrammar(Protocol):
         ...
 
 
-def grammar_verdict(grammar: OutputGrammar, token_id: int) -> tuple[str | None, str]:
-    """(finish reason, error) after a constrained request sampled `token_id`: "error" when the
-    grammar refuses the token (an executor that did not apply the mask), "stop" when the
-    output is complete, None to go on."""
+class Constrained(Protocol):
+    """What these functions use of a request (controller.core.request.Request)."""
+
+    grammar: OutputGrammar | None  # the output's grammar at the output's position
+    grammar_mask: bytes | None  # its allowed next tokens, once computed
+
+
+def next_mask(request: Constrained) -> bytes:
+    """The allowed tokens of a constrained request's next sample (computed once per
+    position: a request scheduled again after a preemption reuses it)."""
+    mask = request.grammar_mask
+    if mask is None:
+        assert request.grammar is not None
+        mask = request.grammar_mask = request.grammar.allowed_mask()
+    return mask
+
+
+def advance(request: Constrained, token_id: int) -> tuple[str | None, str]:
+    """Feed a constrained request's sampled token to its grammar; (finish reason, error):
+    "error" when the grammar refuses the token (an executor that did not apply the mask) or
+    allows no token after it (a grammar that cannot be completed), "stop" when the output is
+    complete, None to go on (the next mask is then computed, so a dead end shows now)."""
+    grammar = request.grammar
+    assert grammar is not None
+    request.grammar_mask = None
     if not grammar.accept(token_id):
         reason = grammar.error or f"token {token_id} is not allowed here"
         return "error", f"the output no longer matches its grammar: {reason}"
     if grammar.is_finished():
         return "stop", ""
+    mask = next_mask(request)
+    if mask.count(0) == len(mask):
+        reason = grammar.error or "no token can continue it"
+        return "error", f"the output cannot be completed under its grammar: {reason}"
     return None, ""

@@ -57,6 +57,7 @@ class Request:
     # Structured output: the grammar the output must match, at the output's current position
     # (it advances with each token received); None = free output.
     grammar: OutputGrammar | None = None
+    grammar_mask: bytes | None = None  # its allowed next tokens, once computed for this position
 
     # Mutable state, owned by the scheduler and the KV-cache manager.
     output_token_ids: list[int] = field(default_factory=list)  # generated tokens so far

@@ -27,7 +27,7 @@ from common.wire.step_types import (
     StepOutput,
 )
 from controller.core.kv_cache import KVCacheManager
-from controller.core.output_grammar import grammar_verdict
+from controller.core.output_grammar import advance, next_mask
 from controller.core.request import (
     FINISH_REASONS,
     FinishReason,
@@ -262,7 +262,7 @@ class Scheduler(SchedulerBase):
             if samples:
                 request.num_pending_tokens = pending + 1
                 if request.grammar is not None:
-                    mask = request.grammar.allowed_mask()
+                    mask = next_mask(request)
             cached[rid] = CachedRequestData(rid, new_block_ids, start, num_new, mask)
             plan[rid] = _Scheduled(start, num_new, samples, request.num_preemptions)
             budget -= num_new
@@ -301,7 +301,7 @@ class Scheduler(SchedulerBase):
                     num_computed_tokens=num_hit,
                     num_scheduled_tokens=num_new,
                     allowed_token_mask=(
-                        request.grammar.allowed_mask()
+                        next_mask(request)
                         if entry.samples and request.grammar is not None
                         else None
                     ),
@@ -367,7 +367,7 @@ class Scheduler(SchedulerBase):
                         update.logprobs = [out.logprobs]
                     update.finish_reason = request.check_stop()
                     if request.grammar is not None and update.finish_reason is None:
-                        update.finish_reason, update.error = grammar_verdict(request.grammar, token)
+                        update.finish_reason, update.error = advance(request, token)
             if update.finish_reason is not None:
                 self._finish(request, update.finish_reason, unlink=False)
                 update.finished = True

@@ -22,16 +22,18 @@ from common.host.settings import ExecutorConfig  # noqa: E402
 from common.torch.input_batch import InputBatch, RequestState, ScheduledRow  # noqa: E402
 from common.torch.models import build_model  # noqa: E402
 from common.wire.model_config import load_model_geometry  # noqa: E402
-from common.wire.step_types import SamplingParams  # noqa: E402
+from common.wire.step_types import NewRequestData, SamplingParams, StepInput  # noqa: E402
 from executor_gpu.follower import start_sharded_runner  # noqa: E402
 from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
 from tests.support.mini_controller import BLOCK  # noqa: E402
 from tests.support.tiny_models import (  # noqa: E402
     KINDS,
+    VOCAB,
     random_prompts,
     run_greedy_checks,
     save_tiny_checkpoint,
 )
+from tests.support.token_masks import pack_mask  # noqa: E402
 
 
 def _start(path: str, size: int) -> GPUModelRunner:
@@ -130,6 +132,34 @@ def test_four_ranks_replicate_kv_heads(kind, tmp_path):
         )
         checks = run_greedy_checks(runner, hf)
         assert not checks.mismatches, checks.mismatches
+    finally:
+        _stop(runner)
+
+
+def test_two_ranks_honour_token_masks(tmp_path):
+    """Structured output under tensor parallelism (rank 0 samples from the gathered logits):
+    a greedy masked row takes transformers' best allowed token, a random masked row draws an
+    allowed one with constrained logprobs, an unmasked row in the same step is untouched."""
+    hf = save_tiny_checkpoint("qwen3", str(tmp_path))
+    (prompt,) = random_prompts(3, [20])
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt])).logits[0, -1].float()
+    worst = logits.argsort()[:6].tolist()  # greedy would never pick these unmasked
+    runner = _start(str(tmp_path), 2)
+    try:
+        hot = SamplingParams(temperature=1.0, top_p=0.9, seed=4, logprobs=5)
+        requests = [
+            NewRequestData(
+                "g", prompt, [], SamplingParams(), [1, 2], 0, 20, pack_mask(worst, VOCAB)
+            ),
+            NewRequestData("r", prompt, [], hot, [3, 4], 0, 20, pack_mask(worst[:2], VOCAB)),
+            NewRequestData("u", prompt, [], SamplingParams(), [5, 6], 0, 20),
+        ]
+        out = {o.request_id: o for o in runner.execute_model(StepInput(1, requests)).outputs}
+        assert out["g"].sampled_token_id == max(worst, key=lambda t: logits[t].item())
+        assert out["r"].sampled_token_id in worst[:2]
+        assert set(out["r"].logprobs.top_token_ids) == set(worst[:2])
+        assert out["u"].sampled_token_id == int(logits.argmax())
     finally:
         _stop(runner)
 

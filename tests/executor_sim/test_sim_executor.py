@@ -25,6 +25,7 @@ from tests.support.processes import (
     spawn_executor,
     wait_healthy_executors,
 )
+from tests.support.token_masks import pack_mask
 
 EOS = 2
 FIXED_MS = 2.0  # modeled milliseconds per step of the live sims
@@ -121,6 +122,60 @@ def test_runner_logprobs_have_the_asked_shape():
     assert len(o.logprobs.top_token_ids) == 3 and o.logprobs.rank == 1
     assert [lp.token_id for lp in o.prompt_logprobs] == [5, 6, 7]
     assert all(len(lp.top_logprobs) == 2 for lp in o.prompt_logprobs)
+
+
+def _decode_masked(runner, rid, masks, sampling=None, prompt=(4, 5, 6)):
+    """Run ``rid`` one token per mask (None: unconstrained); its sampled tokens."""
+    first = new(rid, list(prompt), len(prompt), blocks=8, sampling=sampling)
+    first.allowed_token_mask = masks[0]
+    outs = [runner.execute_model(StepInput(1, new_requests=[first])).outputs[0]]
+    for step, mask in enumerate(masks[1:], start=2):
+        known = len(runner.requests[rid].token_ids)
+        cached = CachedRequestData(rid, [], known - 1, 1, mask)
+        outs.append(runner.execute_model(StepInput(step, cached_requests=[cached])).outputs[0])
+    assert not any(o.error for o in outs)
+    return [o.sampled_token_id for o in outs], outs
+
+
+def test_runner_samples_only_allowed_tokens_deterministically():
+    """Its usual token when allowed, else the first allowed at or after it (wrapping); the same
+    inputs give the same output; seeded and unseeded random requests obey the mask too."""
+    free, _ = _decode_masked(make_runner(), "g", [None] * 4)
+    usual = pack_mask(free[:2], 1000)  # allows the usual tokens of steps 1-2
+    masks = [usual, usual, pack_mask([free[2] + 1, 3], 1000), pack_mask([0], 1000)]
+    got, _ = _decode_masked(make_runner(), "g", masks)
+    assert got == [free[0], free[1], free[2] + 1 if free[2] + 1 < 1000 else 3, 0]
+    wrap = pack_mask([1], 1000)  # below every usual token: wraps around to it
+    for sampling in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=5)):
+        tokens, _ = _decode_masked(
+            make_runner(), "r", [wrap, pack_mask([998, 999], 1000)], sampling
+        )
+        assert tokens[0] == 1 and tokens[1] in (998, 999)
+
+
+def test_runner_ends_only_when_the_grammar_allows_nothing_else():
+    """Ending ids are avoided while the mask allows other tokens (even before min_tokens would
+    allow them), and taken when the grammar allows only them; logprobs stay allowed."""
+    runner = make_runner(eos_prob=1.0)  # would end at once if it could
+    sampling = SamplingParams(min_tokens=0, logprobs=5)
+    masks = [pack_mask([EOS, 40, 41], 1000), pack_mask([EOS], 1000)]
+    tokens, outs = _decode_masked(runner, "e", masks, sampling)
+    assert tokens[1] == EOS
+    assert set(outs[0].logprobs.top_token_ids) <= {EOS, 40, 41}
+    assert len(outs[0].logprobs.top_token_ids) == 3  # as many as the grammar allows
+    assert outs[1].logprobs.top_token_ids == [EOS]
+    runner = make_runner()
+    tokens, _ = _decode_masked(runner, "f", [pack_mask([EOS, 40, 41], 1000)])
+    assert tokens[0] in (40, 41)
+
+
+def test_runner_fails_a_bad_mask_alone():
+    runner = make_runner()
+    bad = new("bad", [4, 5], 2)
+    bad.allowed_token_mask = bytes(125)  # 1000 tokens take 128 bytes
+    out = runner.execute_model(StepInput(1, new_requests=[bad, new("ok", [4, 5], 2)]))
+    assert "holds 125 bytes, not 128" in out.outputs[0].error
+    assert out.outputs[1].sampled_token_id is not None and "bad" not in runner.requests
 
 
 def test_latency_model():

@@ -11,6 +11,7 @@ import pytest
 from common.host.request_table import RequestTable
 from common.host.step_check import StepLimits, sampling_problem
 from common.wire.step_types import CachedRequestData, NewRequestData, SamplingParams, StepInput
+from tests.support.token_masks import pack_mask, unpack_mask
 
 LIMITS = StepLimits(
     num_blocks=32,
@@ -141,3 +142,55 @@ def test_sane_sampling_passes():
     ):
         assert sampling_problem(params, LIMITS) == ""
     assert SamplingParams(temperature=1e-39).greedy and not SamplingParams(temperature=1e-4).greedy
+
+
+def _masked(rid: str, mask: bytes, blocks=(1,)) -> NewRequestData:
+    r = new(rid, blocks=blocks)
+    r.allowed_token_mask = mask
+    return r
+
+
+@pytest.mark.parametrize(
+    "mask, why",
+    [
+        (pack_mask([5], 1000)[:-4], "holds 124 bytes, not 128"),
+        (pack_mask([5], 1000) + b"\0\0\0\0", "holds 132 bytes"),
+        (bytes(128), "allows no token"),
+        # Only padding bits past the vocabulary (tokens 1000..1023): nothing samplable.
+        (((1 << 1024) - (1 << 1000)).to_bytes(128, "little"), "allows no token"),
+    ],
+)
+def test_a_bad_token_mask_fails_its_request_alone(mask, why):
+    """A mask of the wrong length or allowing no token fails its request (new or cached), before
+    any state is built; the other requests of the step run."""
+    table = RequestTable(LIMITS)
+    good = pack_mask([0, 999], 1000)
+    ran, errors = apply(
+        table, _masked("a", good, (2,)), _masked("bad", mask), new("b", blocks=(3,))
+    )
+    assert ran == ["a", "b"] and list(errors) == ["bad"] and why in errors["bad"]
+    assert "bad" not in table.requests
+    for rid in ("a", "b"):
+        table.requests[rid].token_ids.append(9)
+    ran, errors = apply(
+        table,
+        cached=[CachedRequestData("a", [5], 4, 1, mask), CachedRequestData("b", [6], 4, 1, good)],
+    )
+    assert ran == ["b"] and why in errors["a"] and "a" not in table.requests
+
+
+def test_a_mask_holds_for_its_step_only():
+    """Each step brings the mask of the position it samples; a step without one leaves the
+    request unconstrained."""
+    table = RequestTable(LIMITS)
+    first = pack_mask([7], 1000)
+    apply(table, _masked("a", first))
+    state = table.requests["a"]
+    assert state.allowed_token_mask == first
+    state.token_ids.append(7)
+    second = pack_mask([8, 999], 1000)
+    apply(table, cached=[CachedRequestData("a", [5], 4, 1, second)])
+    assert state.allowed_token_mask == second and unpack_mask(second, 1000) == {8, 999}
+    state.token_ids.append(8)
+    apply(table, cached=[CachedRequestData("a", [], 5, 1)])
+    assert state.allowed_token_mask is None

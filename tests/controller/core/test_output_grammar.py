@@ -27,14 +27,17 @@ VOCAB = 2048
 class SequenceGrammar:
     """A grammar whose only valid output is `target`, token by token."""
 
-    def __init__(self, target: list[int]):
+    def __init__(self, target: list[int], dead_after: int | None = None):
         self.target = target
+        self.dead_after = dead_after  # from this position on, no token is allowed
         self.pos = 0  # tokens accepted
         self.masks = 0  # masks computed
         self.failed = False
 
     def allowed_mask(self) -> bytes:
         self.masks += 1
+        if self.dead_after is not None and self.pos >= self.dead_after:
+            return bytes(token_mask_bytes(VOCAB))
         bits = 1 << self.target[self.pos]
         return bits.to_bytes(token_mask_bytes(VOCAB), "little")
 
@@ -130,6 +133,21 @@ def test_a_preempted_constrained_request_resumes_at_its_grammar_position():
     out = drive(sched, FakeExecutor())
     assert req.num_preemptions >= 1
     assert out["c"].tokens == TARGET and out["c"].reason == "stop"
+    assert req.grammar.masks == len(TARGET)  # a position's mask is reused after preemption
+
+
+def test_a_grammar_that_cannot_be_continued_ends_the_request_with_an_error():
+    """No token allowed after the second: the request ends at once with the reason (the
+    mask is computed when its token arrives, not sent as an empty mask)."""
+    sched = Scheduler(make_config())
+    req = make_request("c", 10, max_tokens=50)
+    req.grammar = SequenceGrammar(list(TARGET), dead_after=2)
+    sched.add_request(req)
+    ex = FakeExecutor()
+    out = drive(sched, ex)
+    assert out["c"].tokens == TARGET[:2] and out["c"].reason == "error"
+    assert "cannot be completed under its grammar" in out["c"].updates[-1].error
+    assert ex.masks_seen == 2
 
 
 def test_length_ends_a_constrained_request_before_its_grammar():

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.wire.pb import executor_pb2 as pb
 from common.wire.pb import executor_pb2_grpc as pb_grpc
 from tests.support.processes import spawn_executor, wait_until
+from tests.support.token_masks import pack_mask
 
 NUM_BLOCKS, MAX_TOKENS, MAX_SEQS, VOCAB = 16, 64, 4, 49152
 
@@ -99,6 +100,12 @@ def _answers(result: pb.StepResult, step_ids: list[str]) -> dict[str, tuple[int,
     }
 
 
+def _masked(request, allowed=(), raw: bytes | None = None):
+    """``request`` constrained to the ``allowed`` tokens (or the ``raw`` mask bytes)."""
+    request.allowed_token_mask = pack_mask(allowed, VOCAB) if raw is None else raw
+    return request
+
+
 BAD_NEW = {
     "block past the cache": (lambda: new("bad", blocks=(NUM_BLOCKS,)), "block id is outside"),
     "negative block": (lambda: new("bad", blocks=(-1,)), "block id is outside"),
@@ -116,6 +123,11 @@ BAD_NEW = {
         lambda: new("bad", min_tokens=2, stop_token_ids=[VOCAB]),
         "stop token id",
     ),
+    "mask of the wrong length": (
+        lambda: _masked(new("bad"), raw=bytes(VOCAB // 8 - 1)),
+        "holds 6143 bytes, not 6144",
+    ),
+    "mask allowing no token": (lambda: _masked(new("bad"), raw=bytes(VOCAB // 8)), "allows no"),
 }
 
 
@@ -163,6 +175,45 @@ def test_step_wide_faults_reject_only_the_requests_at_fault(executor):
     assert [a[1] == "" for a in answers.values()] == [True] * MAX_SEQS + [False] * 2
     assert all("more than 4 requests" in a[1] for a in list(answers.values())[MAX_SEQS:])
     stream.step(finished=[r.request_id for r in many])
+    assert _serving(health)
+
+
+def test_masked_requests_sample_allowed_tokens_and_a_bad_mask_fails_alone(executor):
+    """Structured output: each masked request samples an allowed token, an unmasked one in the
+    same step is unaffected; a later bad mask fails its request alone."""
+    stream, health = executor
+    ids = ["m", "one", "free"]
+    result = stream.step(
+        new=[
+            _masked(new("m", blocks=(2,)), (500, 1234, VOCAB - 1)),
+            _masked(new("one", blocks=(3,), temperature=1.0, top_k=5, logprobs=3), (77,)),
+            new("free", blocks=(4,)),
+        ]
+    )
+    answers = _answers(result, ids)
+    assert answers["m"] == (answers["m"][0], "") and answers["m"][0] in (500, 1234, VOCAB - 1)
+    assert answers["one"] == (77, "") and answers["free"][1] == ""
+    lps = {o.request_id: o.logprobs for o in result.outputs if o.HasField("logprobs")}
+    assert list(lps["one"].top_token_ids) == [77]  # the constrained distribution: 1 token
+    cached = [
+        pb.CachedRequest(
+            request_id="m",
+            num_computed_tokens=4,
+            num_scheduled_tokens=1,
+            allowed_token_mask=bytes(8),
+        ),
+        pb.CachedRequest(
+            request_id="one",
+            num_computed_tokens=4,
+            num_scheduled_tokens=1,
+            allowed_token_mask=pack_mask([9], VOCAB),
+        ),
+        pb.CachedRequest(request_id="free", num_computed_tokens=4, num_scheduled_tokens=1),
+    ]
+    answers = _answers(stream.step(cached=cached), ids)
+    assert "holds 8 bytes" in answers["m"][1] and answers["m"][0] == -1
+    assert answers["one"] == (9, "") and answers["free"][1] == ""
+    stream.step(finished=ids)
     assert _serving(health)
 
 
