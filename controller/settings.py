@@ -99,6 +99,13 @@ class ControllerConfig(ModelSourceSettings):
     max_logprobs: int = setting(20, "most top logprobs a request may ask for")
     log_level: str = setting("INFO", "log level (DEBUG, INFO, WARNING, ERROR)")
     log_format: Literal["text", "json"] = setting("text", "log lines as text or JSON objects")
+    # vLLM's name. The formats live in controller/text/tools (FORMATS); a new one is added
+    # there and here.
+    tool_call_parser: Literal["auto", "smollm2", "hermes"] = setting(
+        "auto",
+        "how tools are shown to the model and its tool calls read and constrained: auto "
+        "(hermes when the chat template writes <tool_call> blocks, else smollm2), smollm2, hermes",
+    )
     # Seconds an idle HTTP keep-alive connection stays open. Longer than the idle timeout of
     # the proxies in front (60 s for nginx upstreams and cloud load balancers), so that a proxy
     # never reuses a connection the server is closing (a sporadic 502 / connection reset).
@@ -256,8 +263,8 @@ class ControllerConfig(ModelSourceSettings):
     # realistic schema in milliseconds; the text size is what a client can inflate).
     max_grammar_chars: int = setting(
         64 << 10,
-        "longest structured-output constraint (JSON schema, regex, grammar, choices, a tool's "
-        "parameters), in characters",
+        "longest structured-output constraint (JSON schema, regex, grammar, choices, the "
+        "tool-call grammar of tool_choice required or named), in characters",
         group=REQUEST_LIMITS,
         ge=1,
     )

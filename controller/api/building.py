@@ -135,7 +135,6 @@ def generation_requests(
                     priority=req.priority,
                     stream=bool(req.stream),
                     grammar=opts.grammars.output,
-                    tool_grammars=opts.grammars.tools,
                 )
             )
     return gens

@@ -6,8 +6,8 @@ Each constraint's text is bounded (--max-grammar-chars) before compiling; compil
 small thread pool, off the event loop, and a repeated constraint is answered from the cache
 without leaving it.
 
-Generation does not apply these grammars yet: the compiled grammars ride on the
-GenerationRequest for the step that will carry masks to the executors.
+A request has at most one output grammar: response_format or structured_outputs, or the
+tool-call grammar of tool_choice "required" / a named function (asking for both is a 400).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from controller.api.errors import MAX_QUOTE, APIError
@@ -30,6 +30,7 @@ from controller.text.grammar import (
     choice_constraint,
     json_schema_constraint,
 )
+from controller.text.tools import ToolCallFormat
 
 COMPILE_THREADS = 2  # grammars compiled at once (the rest wait their turn)
 # The engine's reasons quote the client's text: each quoted run is cut to MAX_QUOTE characters.
@@ -45,10 +46,9 @@ def _reason(exc: Exception) -> str:
 class RequestGrammars:
     """What a request's output is constrained to, compiled."""
 
-    output: CompiledGrammar | None = None  # response_format / structured_outputs
-    # Tool name -> its compiled parameters schema, for the tools tool_choice forces
-    # ("required": all, a named function: that one) and strict tools.
-    tools: dict[str, CompiledGrammar] = field(default_factory=dict)
+    # response_format / structured_outputs, or the calls tool_choice forces ("required", a
+    # named function): the format's call grammar with each function's parameters schema.
+    output: CompiledGrammar | None = None
 
 
 def grammar_limits(config: Any) -> GrammarLimits:
@@ -93,11 +93,13 @@ def output_constraint(
     return json_schema_constraint(schema), "response_format.json_schema.schema"
 
 
-def tool_constraints(
+def forced_functions(
     tools: list[ChatTool] | None, choice: str | NamedToolChoice | None
-) -> list[tuple[str, Constraint, str]]:
-    """(tool name, parameters constraint, parameter) for each tool whose arguments will be
-    constrained; 400 when tool_choice asks for tools that are not there."""
+) -> list[tuple[int, dict[str, Any]]]:
+    """(index in tools, function) of each function the output must be a call of: all for
+    "required", the named one for a named tool_choice, none otherwise ("auto" and "none" leave
+    the output free; a strict tool is not enforced under "auto"); 400 when tool_choice asks
+    for tools that are not there."""
     tools = tools or []
     if isinstance(choice, NamedToolChoice):
         index = next(
@@ -110,16 +112,17 @@ def tool_constraints(
         if not tools:
             raise APIError('tool_choice "required" needs tools.', 400, "tool_choice")
         chosen = list(range(len(tools)))
-    elif choice == "none":
+    else:
         chosen = []
-    else:  # auto (or absent): only strict tools promise their arguments match
-        chosen = [i for i, t in enumerate(tools) if t.function.strict]
-    out = []
-    for i in chosen:
-        fn = tools[i].function
-        schema = fn.parameters if fn.parameters is not None else {"type": "object"}
-        out.append((fn.name, json_schema_constraint(schema), f"tools[{i}].function.parameters"))
-    return out
+    return [(i, tools[i].function.model_dump(exclude_none=True)) for i in chosen]
+
+
+def tool_constraint(
+    functions: list[dict[str, Any]], fmt: ToolCallFormat, parallel: bool | None
+) -> Constraint:
+    """The grammar of an output that is only calls of `functions` in `fmt` (several unless
+    parallel_tool_calls is false)."""
+    return Constraint("grammar", fmt.grammar(functions, parallel is not False))
 
 
 class ConstraintCompiler:
@@ -155,13 +158,36 @@ class ConstraintCompiler:
         structured: StructuredOutputs | None,
         tools: list[ChatTool] | None = None,
         tool_choice: str | NamedToolChoice | None = None,
+        parallel_tool_calls: bool | None = None,
+        tool_format: ToolCallFormat | None = None,
     ) -> RequestGrammars:
-        """Every constraint of a request, compiled (one after the other: a request's first
-        refusal answers it)."""
-        out = RequestGrammars()
+        """A request's output constraint, compiled, or the 400 that refuses it."""
         found = output_constraint(response_format, structured)
+        forced = forced_functions(tools, tool_choice)
+        if found is not None and forced:
+            raise APIError(
+                'tool_choice "required" or a named function constrains the output to tool '
+                "calls; response_format and structured_outputs cannot constrain it as well.",
+                400,
+                "tool_choice",
+            )
         if found is not None:
-            out.output = await self.compile(*found)
-        for name, constraint, param in tool_constraints(tools, tool_choice):
-            out.tools[name] = await self.compile(constraint, param)
-        return out
+            return RequestGrammars(await self.compile(*found))
+        if not forced or tool_format is None:
+            return RequestGrammars()
+        functions = [fn for _, fn in forced]
+        constraint = tool_constraint(functions, tool_format, parallel_tool_calls)
+        try:
+            return RequestGrammars(await self.compile(constraint, "tools"))
+        except APIError as exc:
+            if exc.code != "invalid_grammar":
+                raise
+            await self._blame_tool(forced)
+            raise
+
+    async def _blame_tool(self, forced: list[tuple[int, dict[str, Any]]]) -> None:
+        """The 400 of the first forced tool whose parameters schema is refused on its own
+        (a refused call grammar names the tool it comes from)."""
+        for i, fn in forced:
+            schema = fn.get("parameters") or {"type": "object"}
+            await self.compile(json_schema_constraint(schema), f"tools[{i}].function.parameters")

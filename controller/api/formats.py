@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from common.wire.step_types import TokenLogprobs
 from controller.api.errors import APIError
+from controller.api.tool_output import ToolPolicy, ToolStream
 from controller.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -243,12 +244,16 @@ class ChatFormatter:
         prompt: Prompt,
         logprobs: bool,
         return_token_ids: bool = False,
+        tools: ToolPolicy | None = None,
     ):
         self.return_token_ids = return_token_ids
         self.meta = meta
         self.prompt = prompt
         self.logprobs = logprobs
         self.token_text = _TokenText(tokenizer)
+        # Reads tool calls out of the output (None: the output is plain text).
+        self.tools = tools
+        self._tool_stream = None if tools is None else ToolStream(tools)
 
     def _content_logprobs(self, lps: list[TokenLogprobs]) -> list[dict]:
         out = []
@@ -288,12 +293,10 @@ class ChatFormatter:
         body = []
         for c in choices:
             lp = {"content": self._content_logprobs(c.logprobs)} if self.logprobs else None
-            item = {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": lp,
-                "finish_reason": c.finish_reason,
-            }
+            message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            if self.tools is not None:
+                message, reason = self.tools.message(c.text, c.finish_reason)
+            item = {"index": c.index, "message": message, "logprobs": lp, "finish_reason": reason}
             if self.return_token_ids:
                 item["prompt_token_ids"] = self.prompt.token_ids
                 item["token_ids"] = c.token_ids
@@ -325,20 +328,30 @@ class ChatFormatter:
 
     def stream_chunk(
         self, choice: Choice, d: OutputDelta, first: bool, include_usage: bool
-    ) -> dict | None:
+    ) -> dict | list[dict] | None:
+        """The chunk of one delta; several when it completes tool calls (two per call)."""
         if not d.text and not d.finished and not d.token_ids:
             return None
-        delta = {"content": d.text} if d.text else {}
+        reason = d.finish_reason if d.finished else None
+        if self._tool_stream is None:
+            deltas = [{"content": d.text} if d.text else {}]
+        else:
+            deltas = self._tool_stream.deltas(choice.index, d.text, d.finished) or [{}]
+            reason = self._tool_stream.finish_reason(choice.index, reason)
         lp = {"content": self._content_logprobs(d.logprobs or [])} if self.logprobs else None
-        item = {
-            "index": choice.index,
-            "delta": delta,
-            "logprobs": lp,
-            "finish_reason": d.finish_reason if d.finished else None,
-        }
-        if self.return_token_ids:
-            item["token_ids"] = d.token_ids
-        return self._chunk([item], include_usage)
+        chunks = []
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            item = {
+                "index": choice.index,
+                "delta": delta,
+                "logprobs": lp if k == 0 else None,
+                "finish_reason": reason if last else None,
+            }
+            if self.return_token_ids:
+                item["token_ids"] = d.token_ids if k == 0 else []
+            chunks.append(self._chunk([item], include_usage))
+        return chunks[0] if len(chunks) == 1 else chunks
 
     def usage_chunk(self, choices: list[Choice]) -> dict:
         body = self._chunk([], False)

@@ -43,10 +43,13 @@ from controller.api.streaming import (
     collect,
     sse_events,
 )
+from controller.api.tool_output import tool_policy
 from controller.fleet.engine import Engine
 from controller.text.grammar import GrammarCompiler
 from controller.text.text_bound import chars_per_token_bound, text_limit
 from controller.text.tokenizer import Tokenizer
+from controller.text.tools import select_format
+from controller.text.tools.prompt import prepare_conversation
 
 log = logging.getLogger(__name__)
 # Template inputs the server sets itself; chat_template_kwargs may not override them.
@@ -76,6 +79,11 @@ class OpenAIServing:
         # Structured-output constraints, compiled (and cached) before a request is queued.
         grammars = GrammarCompiler.for_tokenizer(tokenizer, grammar_limits(engine.config))
         self.constraints = ConstraintCompiler(grammars)
+        # How tools are shown to the model and its calls read and constrained.
+        self.tool_format = select_format(
+            getattr(engine.config, "tool_call_parser", "auto"),
+            getattr(tokenizer, "chat_template", None),
+        )
 
     @property
     def max_logprobs(self) -> int:
@@ -138,12 +146,21 @@ class OpenAIServing:
                 "chat_template_kwargs",
             )
         try:
+            messages = self._with_tools(messages, tools)
             return self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tools=tools, **(extra or {})
             )
         except Exception as exc:  # whatever the client's input makes the template raise
             reason = encodable(str(exc), 500)  # the template's words may quote the client's
             raise APIError(f"Cannot apply the chat template: {reason}", 400, "messages") from exc
+
+    def _with_tools(self, messages: list[dict], tools: list | None) -> list[dict]:
+        """The messages with the tools' system prompt and past calls in the tool-call
+        format's text, where the chat template does not render them itself."""
+        template = getattr(self.tokenizer, "get_chat_template", None)
+        if template is None:  # a test's fake tokenizer
+            return messages
+        return prepare_conversation(self.tool_format, messages, tools, template(None, tools))
 
     def _check_ids(self, ids: list[int], param: str) -> None:
         limits.check_token_ids(ids, self.tokenizer.vocab_size, param)
@@ -346,18 +363,25 @@ class OpenAIServing:
         self.check_draining()
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools]
+        shown = None if req.tool_choice == "none" else tools  # "none": the model sees none
         text = self.render_chat(
-            messages, req.add_generation_prompt, tools, req.chat_template_kwargs
+            messages, req.add_generation_prompt, shown, req.chat_template_kwargs
         )
         ids = self.encode(text, "messages", add_special_tokens=False, tokens=self._prompt_bound())
         opts.grammars = await self.constraints.request_grammars(
-            req.response_format, req.structured_outputs, req.tools, req.tool_choice
+            req.response_format,
+            req.structured_outputs,
+            req.tools,
+            req.tool_choice,
+            req.parallel_tool_calls,
+            self.tool_format,
         )
         prompt = Prompt(ids, text)
         meta = formats.ResponseMeta(
             f"chatcmpl-{request_ids(http.scope).public}", int(time.time()), self.model_name
         )
+        policy = tool_policy(self.tool_format, req.tools, req.tool_choice, req.parallel_tool_calls)
         fmt = formats.ChatFormatter(
-            self.tokenizer, meta, prompt, req.logprobs, req.return_token_ids
+            self.tokenizer, meta, prompt, req.logprobs, req.return_token_ids, policy
         )
         return await self._serve(req, http, [prompt], opts, fmt, "messages")

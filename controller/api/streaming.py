@@ -153,8 +153,9 @@ def sse_events(
                         yield sse_line({"error": error_body(APIError(d.error, 500))})
                         continue
                     body = chunk(choices[i], d, first, include_usage)
-                    if body is not None:
-                        yield sse_line(body)
+                    # One body, none, or several (a chat delta that completes tool calls).
+                    for part in [body] if isinstance(body, dict) else body or []:
+                        yield sse_line(part)
                 if include_usage:
                     yield sse_line(fmt.usage_chunk(choices))
         except APIError as err:

@@ -164,6 +164,7 @@ def test_every_setting_has_its_variable(tmp_path):
         "model": str(tmp_path / "Dir"),
         "policy": "priority",
         "log_format": "json",
+        "tool_call_parser": "hermes",
         "pipeline_depth": "3",
         "executor_limits": "tpu=64,8,gpu=512",
         "auth_token_file": str(tmp_path / "t"),

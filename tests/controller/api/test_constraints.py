@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from controller.api.constraints import grammar_limits, output_constraint, tool_constraints
+from controller.api.constraints import forced_functions, grammar_limits, output_constraint
 from controller.api.errors import APIError
 from controller.api.structured import ChatTool, NamedToolChoice, ResponseFormat, StructuredOutputs
 from controller.settings import ControllerConfig
@@ -51,21 +51,20 @@ def _tools(*names: str, strict: tuple[str, ...] = ()) -> list[ChatTool]:
     ]
 
 
-def test_tool_constraints():
+def test_forced_functions():
     tools = _tools("a", "b", "c", strict=("c",))
     named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "b"}})
-    names = lambda choice: [n for n, _, _ in tool_constraints(tools, choice)]  # noqa: E731
+    names = lambda choice: [fn["name"] for _, fn in forced_functions(tools, choice)]  # noqa: E731
     assert names("required") == ["a", "b", "c"]
     assert names(named) == ["b"]
-    assert names("auto") == names(None) == ["c"]
-    assert names("none") == []
-    (_, constraint, param), *_ = tool_constraints(tools, "required")
-    assert constraint.spec == '{"type":"object"}' and param == "tools[0].function.parameters"
+    assert names("auto") == names(None) == names("none") == []  # strict is not enforced
+    (index, fn), *_ = forced_functions(tools, "required")
+    assert index == 0 and "parameters" not in fn
     with pytest.raises(APIError):
-        tool_constraints([], "required")
+        forced_functions([], "required")
     other = NamedToolChoice.model_validate({"type": "function", "function": {"name": "z"}})
     with pytest.raises(APIError):
-        tool_constraints(tools, other)
+        forced_functions(tools, other)
 
 
 def test_tool_count_is_bounded_before_pydantic_types_each():

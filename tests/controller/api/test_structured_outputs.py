@@ -148,6 +148,9 @@ def test_valid_constraints_are_compiled_onto_the_request(tokenizer, request_, ki
 
 
 def test_tools_and_tool_choice(tokenizer):
+    """tool_choice "required" and a named function constrain the output to the tool-call
+    format's calls (one grammar); "auto", "none" and no tool_choice leave it free (a strict
+    tool under "auto" is not enforced)."""
     engine, _, app = _app(tokenizer)
     other = {"type": "function", "function": {"name": "noop", "strict": True}}
     named = {"type": "function", "function": {"name": "get_weather"}}
@@ -160,9 +163,32 @@ def test_tools_and_tool_choice(tokenizer):
     ]
     responses = _post_all(app, bodies)
     assert [r.status_code for r in responses] == [200] * 5, [r.text for r in responses]
-    constrained = [sorted(g.tool_grammars) for g in engine.gens]
-    assert constrained == [["noop"], ["get_weather", "noop"], ["get_weather"], [], []]
-    assert engine.gens[1].tool_grammars["get_weather"].constraint.kind == "json_schema"
+    kinds = [None if g.grammar is None else g.grammar.constraint.kind for g in engine.gens]
+    assert kinds == [None, "grammar", "grammar", None, None]
+    required, named_one = engine.gens[1].grammar, engine.gens[2].grammar
+    call = '<tool_call>[{"name": "noop", "arguments": {}}]</tool_call>'
+    assert required.matcher().accept_all(tokenizer.encode(call, add_special_tokens=False))
+    assert not named_one.matcher().accept_all(tokenizer.encode(call, add_special_tokens=False))
+
+
+def test_response_format_and_forced_tools_are_400(tokenizer):
+    engine, _, app = _app(tokenizer)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    responses = _post_all(
+        app,
+        [
+            chat(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}),
+            chat(tools=[TOOL], tool_choice=named, structured_outputs={"regex": "a"}),
+        ],
+    )
+    for r in responses:
+        err = _error(r)
+        assert err["param"] == "tool_choice" and "response_format" in err["message"], err
+    assert engine.gens == []
+    ok = _post_all(
+        app, [chat(tools=[TOOL], tool_choice="auto", response_format={"type": "json_object"})]
+    )
+    assert ok[0].status_code == 200  # "auto" leaves the output to response_format
 
 
 def _error(r: httpx.Response) -> dict:
