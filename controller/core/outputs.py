@@ -25,11 +25,10 @@ class GenerationRequest:
     priority: int = 0  # lower = more urgent (priority scheduling only)
     stream: bool = True  # hand over every step's delta; False: the first, then one at the end
     # The output's compiled constraint (a controller.text.grammar.CompiledGrammar; core
-    # imports no text): each request placed on an executor gets a matcher from it, replayed
-    # over the output so far (controller.fleet.tracked.scheduler_request). And the tools'
-    # compiled parameters by name.
+    # imports no text; a forced tool call is one too): each request placed on an executor
+    # gets a matcher from it, replayed over the output so far
+    # (controller.fleet.tracked.scheduler_request).
     grammar: Any = None
-    tool_grammars: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
