@@ -2,12 +2,14 @@
 constrained by a JSON schema, in one run, against one controller and one executor.
 
 Every request asks for the same output length: a constrained one must produce a JSON object of
-`--items` short strings (the schema fixes the count), an unconstrained one generates
-`--max-tokens` tokens (ignore_eos); `--max-tokens` is set to the constrained outputs' mean
-length, measured first. Reported per mix, as ratios to the unconstrained run: output tokens per
-second and TTFT p50. The controller side is measured offline on the same outputs: the time to
-compute one allowed-token mask (llguidance, this model's vocabulary and a ~150k one), and the
-bytes a step puts on the wire per request with and without a mask (step_to_pb).
+`--items` strings (the schema fixes the count), an unconstrained one generates as many tokens
+(ignore_eos) as the constrained output took in a first, measuring request. Reported per mix,
+as ratios to the unconstrained run: output tokens per second and TTFT p50; then the
+unconstrained mix again on a second controller with --pipeline-depth 1: what constrained
+requests cost their executor's steps besides the masks (their steps are not pipelined).
+Measured offline on the same outputs: the time to compute one allowed-token mask (llguidance,
+this model's vocabulary, per string schema), and the bytes a step puts on the wire per request
+with and without a mask (step_to_pb) at this vocabulary and a ~150k one.
 
     python benchmarks/structured.py                  # CPU executor, default model
     python benchmarks/structured.py --executor sim   # simulated device: the controller's cost
@@ -155,6 +157,18 @@ def main(argv=None) -> None:
             mixes = [asyncio.run(run_mix(server, a, s, length)) for s in (0.0, 0.5, 1.0)]
         finally:
             server.stop()
+        # What not pipelining costs alone: the unconstrained mix, every step waiting for the
+        # previous result (as steps do while a constrained request is live).
+        server = start_server(
+            model, tmp, controller_args=["--pipeline-depth", "1"], executor_kinds=(kind,)
+        )
+        try:
+            asyncio.run(run_one(server, a))  # the same warm-up
+            serial = asyncio.run(run_mix(server, a, 0.0, length))
+            serial["pipeline_depth"] = 1
+            mixes.append(serial)
+        finally:
+            server.stop()
     base = mixes[0]
     for m in mixes:
         m["throughput_ratio"] = m["tokens_per_s"] / base["tokens_per_s"]
@@ -166,6 +180,7 @@ def main(argv=None) -> None:
         print(
             f"{m['constrained']:>10.0%} {m['tokens_per_s']:>8.1f} {m['throughput_ratio']:>6.2f}"
             f" {m['ttft_p50_s'] * 1e3:>7.0f}ms {m['ttft_ratio']:>6.2f}"
+            + ("  (not pipelined)" if m.get("pipeline_depth") == 1 else "")
         )
     print(json.dumps({k: v for k, v in report.items() if k != "mixes"}, indent=1))
     if a.json:

@@ -321,7 +321,8 @@ def test_structured_benchmark_runs_every_mix_over_the_simulator(default_model_di
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     mixes = report["mixes"]
-    assert [m["constrained"] for m in mixes] == [0.0, 0.5, 1.0]
+    assert [m["constrained"] for m in mixes] == [0.0, 0.5, 1.0, 0.0]
+    assert mixes[3]["pipeline_depth"] == 1
     assert mixes[0]["throughput_ratio"] == 1.0 and all(m["output_tokens"] > 0 for m in mixes)
     assert set(report["mask_us"]) >= {"unbounded", "maxLength 6"}
     wire = report["wire_bytes_per_request_vocab151936"]
