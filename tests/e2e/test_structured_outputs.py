@@ -14,7 +14,13 @@ import jsonschema
 import pydantic
 import pytest
 
-from tests.e2e.helpers import assert_no_blocks_in_use
+from tests.e2e.helpers import (
+    LONG_PROMPT,
+    PROMPTS,
+    assert_no_blocks_in_use,
+    metric_sum,
+    metrics_text,
+)
 
 ASK = [{"role": "user", "content": "Describe a person, a book and a city as JSON."}]
 NAME = {"type": "string", "maxLength": 16}
@@ -146,7 +152,11 @@ def test_json_object_parses(server):
 
 @pytest.mark.parametrize(
     "pattern",
-    [r"[0-9]{3}-[0-9]{4}", r"(yes|no), because [a-z ]{5,20}\.", r"[A-Z][a-z]{1,10} [A-Z][a-z]{1,10}"],
+    [
+        r"[0-9]{3}-[0-9]{4}",
+        r"(yes|no), because [a-z ]{5,20}\.",
+        r"[A-Z][a-z]{1,10} [A-Z][a-z]{1,10}",
+    ],
 )
 def test_regex_outputs_fully_match(server, pattern):
     r = server.client().completions.create(
@@ -216,3 +226,52 @@ def test_openai_parse_with_a_pydantic_model(server):
     )
     parsed = r.choices[0].message.parsed
     assert isinstance(parsed, Person), r
+
+
+def test_preempted_constrained_requests_resume_under_their_grammar(tight_server):
+    """Six constrained completions at once on a server with 20 KV blocks: some are preempted
+    and recomputed mid-output; each resumes at its grammar position, so every output is the
+    valid one it is when run alone."""
+    server = tight_server
+    schema = {
+        "type": "object",
+        "properties": {"words": {"type": "array", "items": NAME, "minItems": 8, "maxItems": 8}},
+        "required": ["words"],
+        "additionalProperties": False,
+    }
+    prompts = [f"{PROMPTS[i % 4]} {LONG_PROMPT[: 80 + 30 * i]}" for i in range(6)]
+    extra = {"structured_outputs": {"json": schema}}
+
+    def complete(prompt):
+        return server.client().completions.create(
+            model=server.model_name,
+            prompt=prompt,
+            max_tokens=200,
+            temperature=0,
+            extra_body=extra,
+        )
+
+    alone = [complete(p).choices[0].text for p in prompts]
+    before = metric_sum(metrics_text(server), "vllm:num_preemptions_total")
+
+    async def at_once():
+        async with server.async_client() as client:
+            return await asyncio.gather(
+                *(
+                    client.completions.create(
+                        model=server.model_name,
+                        prompt=p,
+                        max_tokens=200,
+                        temperature=0,
+                        extra_body=extra,
+                    )
+                    for p in prompts
+                )
+            )
+
+    together = [r.choices[0].text for r in asyncio.run(at_once())]
+    assert metric_sum(metrics_text(server), "vllm:num_preemptions_total") > before
+    assert together == alone
+    for text in together:
+        jsonschema.validate(json.loads(text), schema)
+    assert_no_blocks_in_use(server)
