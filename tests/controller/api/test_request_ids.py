@@ -8,17 +8,16 @@ import io
 import json
 import logging
 import re
-from types import SimpleNamespace
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry
 
 from common import logs
 from controller.api.admission import Admission, AdmissionLimits
 from controller.api.server import create_app
 from controller.api.serving import OpenAIServing
 from controller.core.outputs import OutputDelta
+from tests.support.fake_engine import FakeEngineBase
 
 HEX_ID = re.compile(r"[0-9a-f]{32}")
 
@@ -50,28 +49,15 @@ class FakeTokenizer:
         return "".join(m["content"] for m in messages)
 
 
-class FakeEngine:
+class FakeEngine(FakeEngineBase):
     """Generates "ok" for every sequence, once `release` is set; fails on prompt "boom"."""
 
     def __init__(self, **config):
-        self.config = SimpleNamespace(model="fake", **config)
-        self.max_model_len = self.num_kv_tokens = 512
-        self.eos_token_ids = [0]
-        self.healthy = True
+        super().__init__([0], max_model_len=512, **config)
         self.waiting: dict = {}
-        self.metrics = SimpleNamespace(registry=CollectorRegistry())
         self.seen: list[str] = []  # sequence ids, in order
         self.release = asyncio.Event()
         self.release.set()
-
-    def executors_state(self) -> list[dict]:
-        return []
-
-    def fleet_summary(self) -> str:
-        return "fake"
-
-    async def wait_for_executor(self) -> bool:
-        return True
 
     async def generate(self, gen):
         self.seen.append(gen.request_id)

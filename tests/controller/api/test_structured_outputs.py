@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 
 from controller.api.server import create_app
 from controller.api.serving import OpenAIServing
 from controller.core.outputs import OutputDelta
 from controller.text.tokenizer import Tokenizer
+from tests.support.fake_engine import FakeEngineBase
 
 SCHEMA = {
     "type": "object",
@@ -44,26 +43,12 @@ TOOL = {
 }
 
 
-class FakeEngine:
+class FakeEngine(FakeEngineBase):
     """Answers ANSWER for every sequence and keeps the generation requests it was given."""
 
     def __init__(self, tokenizer: Tokenizer, **config):
-        self.config = SimpleNamespace(model="fake", **config)
-        self.max_model_len = self.num_kv_tokens = 4096
-        self.eos_token_ids = list(tokenizer.eos_token_ids)
-        self.healthy = True
-        self.metrics = SimpleNamespace(registry=CollectorRegistry())
-        self.gens: list = []
+        super().__init__(tokenizer.eos_token_ids, **config)
         self._ids = tokenizer.encode(ANSWER, add_special_tokens=False)
-
-    def executors_state(self) -> list[dict]:
-        return []
-
-    def fleet_summary(self) -> str:
-        return "fake"
-
-    async def wait_for_executor(self) -> bool:
-        return True
 
     async def generate(self, gen):
         self.gens.append(gen)

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry
 
 from controller.api.server import create_app
 from controller.api.serving import OpenAIServing
 from controller.core.outputs import OutputDelta
 from controller.text.tokenizer import Tokenizer
+from tests.support.fake_engine import FakeEngineBase
 
 TOOLS = [
     {
@@ -34,26 +33,12 @@ TWO_CALLS = (
 )
 
 
-class ScriptedEngine:
+class ScriptedEngine(FakeEngineBase):
     """Writes `output` for every sequence, one token per delta, ending with `finish_reason`."""
 
     def __init__(self, tokenizer: Tokenizer, output: str, finish_reason: str = "stop"):
-        self.config = SimpleNamespace(model="fake")
-        self.max_model_len = self.num_kv_tokens = 4096
-        self.eos_token_ids = list(tokenizer.eos_token_ids)
-        self.healthy = True
-        self.metrics = SimpleNamespace(registry=CollectorRegistry())
-        self.gens: list = []
+        super().__init__(tokenizer.eos_token_ids)
         self.tokenizer, self.output, self.finish_reason = tokenizer, output, finish_reason
-
-    def executors_state(self) -> list[dict]:
-        return []
-
-    def fleet_summary(self) -> str:
-        return "fake"
-
-    async def wait_for_executor(self) -> bool:
-        return True
 
     async def generate(self, gen):
         self.gens.append(gen)

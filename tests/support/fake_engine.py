@@ -1,0 +1,29 @@
+"""The part of the engine the API layer needs, without executors: tests of the HTTP layer
+subclass `FakeEngineBase` and write `generate` (what the "model" answers)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry
+
+
+class FakeEngineBase:
+    """An engine with one healthy pretend executor; `gens` records what it was asked."""
+
+    def __init__(self, eos_token_ids: list[int], max_model_len: int = 4096, **config):
+        self.config = SimpleNamespace(model="fake", **config)
+        self.max_model_len = self.num_kv_tokens = max_model_len
+        self.eos_token_ids = list(eos_token_ids)
+        self.healthy = True
+        self.metrics = SimpleNamespace(registry=CollectorRegistry())
+        self.gens: list = []  # the GenerationRequests generate() got, in order
+
+    def executors_state(self) -> list[dict]:
+        return []
+
+    def fleet_summary(self) -> str:
+        return "fake"
+
+    async def wait_for_executor(self) -> bool:
+        return True
