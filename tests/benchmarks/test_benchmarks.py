@@ -309,3 +309,22 @@ def test_gpu_step_benchmark_smoke_sharded_over_two_ranks(tmp_path):
     assert report["tensor_parallel_size"] == 2 and report["graphs_captured"] == 0
     assert {(r["batch"], r["variant"]) for r in report["forward"]} == {(1, "fused"), (3, "fused")}
     assert report["executor_step_ms"] > 0
+
+
+def test_mask_apply_benchmark_times_masked_and_unmasked_sampling(tmp_path):
+    """mask_apply.py on a tiny grid: every point timed both ways, with its wire bytes."""
+    out = tmp_path / "mask.json"
+    run = run_script(
+        ["benchmarks/mask_apply.py", "--vocabs", "1000,4099", "--batch-sizes", "1,3"]
+        + ["--reps", "2", "--threads", "1", "--json", str(out)],
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["vocab"], r["batch"], r["mode"]) for r in rows} == {
+        (v, b, m) for v in (1000, 4099) for b in (1, 3) for m in ("greedy", "random")
+    }
+    for r in rows:
+        assert r["unmasked_ms"] > 0 and r["masked_ms"] > 0 and r["mask_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["masked_ms"] / r["unmasked_ms"])
+        assert r["mask_bytes_per_request"] == -(-r["vocab"] // 32) * 4
