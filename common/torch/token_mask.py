@@ -67,7 +67,9 @@ def apply_token_masks(
     logits unchanged, x + 0.0 being x). ``rows`` [M] are the masked rows (None: all S, in
     order), ``packed`` [M, B] their masks."""
     bias = mask_bias(packed, logits.shape[1], logits.dtype)
-    return logits + bias if rows is None else logits.index_add(0, rows, bias)
+    if rows is None:  # the biases are a fresh tensor: the masked logits are added in place
+        return bias.add_(logits)
+    return logits.index_add(0, rows, bias)
 
 
 def keep_some_token(logits: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
