@@ -31,14 +31,17 @@ Unseeded rows draw from one generator seeded with the executor's seed.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+# The logprob helpers stay importable from here (explicit re-exports), where callers look.
+from common.torch.logprobs import LogprobsTensors as LogprobsTensors
+from common.torch.logprobs import compute_logprobs as compute_logprobs
+from common.torch.logprobs import compute_prompt_logprobs as compute_prompt_logprobs
 from common.torch.token_mask import apply_token_masks, keep_some_token, mask_tensors
-from common.wire.step_types import SamplingParams, TokenLogprobs
+from common.wire.step_types import SamplingParams
 
 #: Candidates kept for rows with top-p but no top-k before checking they hold the nucleus.
 TOP_P_CANDIDATES = 256
@@ -90,36 +93,6 @@ class SamplingMetadata:
     def needs_logprobs(self) -> bool:
         """Whether any row asked for logprobs."""
         return self.max_num_logprobs >= 0
-
-
-@dataclass
-class LogprobsTensors:
-    """Logprobs of chosen tokens and the top-k alternatives (device tensors, one row each)."""
-
-    token_ids: torch.Tensor  # [N] int64 the chosen (sampled or prompt) tokens
-    logprobs: torch.Tensor  # [N] float32 their log probabilities
-    ranks: torch.Tensor  # [N] int64 their 1-based ranks
-    top_ids: torch.Tensor  # [N, k] int64 best tokens, best first
-    top_logprobs: torch.Tensor  # [N, k] float32 their log probabilities
-
-    def to_token_logprobs(self, num_top: Sequence[int | None]) -> list[TokenLogprobs | None]:
-        """Host objects, each trimmed to its row's ``num_top`` (None rows give None)."""
-        ids, lps = self.token_ids.tolist(), self.logprobs.tolist()
-        ranks, top_ids, top_lps = (
-            self.ranks.tolist(),
-            self.top_ids.tolist(),
-            self.top_logprobs.tolist(),
-        )
-        out: list[TokenLogprobs | None] = []
-        for i, k in enumerate(num_top):
-            if k is None:
-                out.append(None)
-                continue
-            # Best first: a -inf entry and all after it are tokens of probability 0 (masked).
-            row = top_lps[i][:k]
-            k = next((j for j, lp in enumerate(row) if lp == -math.inf), len(row))
-            out.append(TokenLogprobs(ids[i], lps[i], ranks[i], top_ids[i][:k], row[:k]))
-        return out
 
 
 @dataclass
@@ -251,26 +224,7 @@ def build_sampling_metadata(
     return meta
 
 
-# --- logprobs, penalties, filters -----------------------------------------------------------
-
-
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
-    """Logprob, rank and top-k of ``token_ids`` [N] under raw ``logits`` [N, V] (k >= 0)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    token_lp = lp.gather(1, token_ids[:, None])[:, 0]
-    ranks = (lp > token_lp[:, None]).sum(dim=-1) + 1
-    top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], token_ids[:, None][:, :0])
-    return LogprobsTensors(
-        token_ids=token_ids, logprobs=token_lp, ranks=ranks, top_ids=top_ids, top_logprobs=top_lp
-    )
-
-
-def compute_prompt_logprobs(
-    logits: torch.Tensor, next_token_ids: torch.Tensor, k: int
-) -> LogprobsTensors:
-    """Prompt logprobs: row i holds the logits at prompt position i and ``next_token_ids[i]``
-    is the prompt token at i+1; returns its logprob, rank and the top-k there."""
-    return compute_logprobs(logits, next_token_ids, k)
+# --- penalties, filters ----------------------------------------------------------------------
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -317,7 +271,7 @@ def truncate(
                 continue
             return vals, ids
         # Normalizer of each row's distribution: its top-k set, or the whole vocabulary.
-        norm = logits.logsumexp(dim=-1) if rows_without_k else vals.logsumexp(dim=-1)
+        norm = _row_logsumexp(logits, vals, ids) if rows_without_k else vals.logsumexp(dim=-1)
         if top_k is not None and rows_without_k:
             norm = torch.where(top_k > 0, vals.logsumexp(dim=-1), norm)
         probs = (vals - norm[:, None]).exp()
@@ -332,6 +286,15 @@ def truncate(
         drop = (cum - probs) > top_p[:, None]
         drop[:, 0] = False
         return vals.masked_fill(drop, float("-inf")), ids
+
+
+def _row_logsumexp(logits: torch.Tensor, best: torch.Tensor, best_ids: torch.Tensor):
+    """Each row's logsumexp over the vocabulary, from its best logit and ``log_softmax`` there
+    (``best`` / ``best_ids``: a top-k, best first). torch's CPU ``logsumexp`` runs an ``exp``
+    that takes a slow path on -inf entries (structured output's masked tokens: 4x here);
+    ``log_softmax`` does not, and is faster on finite rows too."""
+    at_best = torch.log_softmax(logits, dim=-1).gather(1, best_ids[:, :1])[:, 0]
+    return best[:, 0] - at_best
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

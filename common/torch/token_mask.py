@@ -3,10 +3,11 @@
 The controller owns the grammar and sends, for each constrained request and only in a step
 where it samples, the tokens it may sample as packed bits (common.wire.step_types.
 token_mask_bytes: little-endian uint32 words, bit t % 32 of word t // 32 for token t). The
-packed bytes cross to the device as they are (1/32 of an unpacked bool matrix) and are unpacked
-there: read as bytes, that layout puts token t at bit t % 8 of byte t // 8, so one shift by
-``arange(8)`` per byte unpacks every word. Disallowed logits become -inf before anything else
-in sampling, so greedy, random sampling and logprobs all see the constrained distribution.
+packed bytes cross to the device as they are (1/32 of an unpacked bool matrix, 1/8 of bytes)
+and are unpacked there: read as bytes, that layout puts token t at bit t % 8 of byte t // 8,
+so a lookup of each byte in a 256 x 8 table gives its 8 tokens' logit biases (0 or -inf).
+Disallowed logits become -inf before anything else in sampling, so greedy, random sampling and
+logprobs all see the constrained distribution.
 
 A step without a mask builds nothing here (the sampler's metadata holds None).
 """
@@ -34,23 +35,41 @@ def mask_tensors(
     return torch.tensor(masked, dtype=torch.int64, device=device), packed
 
 
-def unpack_allowed(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[M, vocab_size] bool: which tokens each packed mask [M, B] uint8 allows (on its device;
-    the padding bits past the vocabulary are dropped)."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    bits = (packed[:, :, None] >> shifts) & 1  # [M, B, 8]: byte b's bit j is token 8b + j
-    return bits.view(packed.shape[0], -1)[:, :vocab_size].bool()
+#: Per (device, dtype): row b of the table is byte value b unpacked into 8 additive logit
+#: biases, bit j (token 8 * byte + j) allowed -> 0.0, disallowed -> -inf.
+_BYTE_BIAS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _byte_bias(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    table = _BYTE_BIAS.get((device, dtype))
+    if table is None:
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1  # [256, 8], bit j of b
+        table = torch.zeros(256, 8).masked_fill(bits == 0, float("-inf")).to(device, dtype)
+        _BYTE_BIAS[(device, dtype)] = table
+    return table
+
+
+def mask_bias(packed: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[M, vocab_size] additive biases of packed masks [M, B] uint8 (on their device): 0 where
+    a token is allowed, -inf where not; the padding bits past the vocabulary are dropped.
+
+    Unpacked by one table lookup (each byte to its 8 biases), then added to the logits: on
+    the CPU that is ~10x faster than shifting out the bits and a ``masked_fill``."""
+    table = _byte_bias(packed.device, dtype)
+    bias = torch.nn.functional.embedding(packed.long(), table)  # [M, B, 8]: token 8b + j
+    return bias.view(packed.shape[0], -1)[:, :vocab_size]
 
 
 def apply_token_masks(
     logits: torch.Tensor, rows: torch.Tensor | None, packed: torch.Tensor
 ) -> torch.Tensor:
-    """Logits [S, V] with every token a row's mask disallows at -inf (a new tensor). ``rows``
-    [M] are the masked rows (None: all S, in order), ``packed`` [M, B] their masks."""
-    allowed = unpack_allowed(packed, logits.shape[1])
-    if rows is None:
-        return logits.masked_fill(~allowed, float("-inf"))
-    return logits.index_copy(0, rows, logits[rows].masked_fill(~allowed, float("-inf")))
+    """Logits [S, V] with every token a row's mask disallows at -inf (a new tensor; allowed
+    logits unchanged, x + 0.0 being x). ``rows`` [M] are the masked rows (None: all S, in
+    order), ``packed`` [M, B] their masks."""
+    bias = mask_bias(packed, logits.shape[1], logits.dtype)
+    if rows is None:  # the biases are a fresh tensor: the masked logits are added in place
+        return bias.add_(logits)
+    return logits.index_add(0, rows, bias)
 
 
 def keep_some_token(logits: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:

@@ -327,3 +327,22 @@ def test_structured_benchmark_runs_every_mix_over_the_simulator(default_model_di
     assert set(report["mask_us"]) >= {"unbounded", "maxLength 6"}
     wire = report["wire_bytes_per_request_vocab151936"]
     assert wire["masked"] - wire["plain"] >= 151_936 // 8
+
+
+def test_mask_apply_benchmark_times_masked_and_unmasked_sampling(tmp_path):
+    """mask_apply.py on a tiny grid: every point timed both ways, with its wire bytes."""
+    out = tmp_path / "mask.json"
+    run = run_script(
+        ["benchmarks/mask_apply.py", "--vocabs", "1000,4099", "--batch-sizes", "1,3"]
+        + ["--reps", "2", "--threads", "1", "--json", str(out)],
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["vocab"], r["batch"], r["mode"]) for r in rows} == {
+        (v, b, m) for v in (1000, 4099) for b in (1, 3) for m in ("greedy", "random")
+    }
+    for r in rows:
+        assert r["unmasked_ms"] > 0 and r["masked_ms"] > 0 and r["mask_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["masked_ms"] / r["unmasked_ms"])
+        assert r["mask_bytes_per_request"] == -(-r["vocab"] // 32) * 4

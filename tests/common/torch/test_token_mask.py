@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from common.torch.sampling import Sampler, build_sampling_metadata  # noqa: E402
-from common.torch.token_mask import unpack_allowed  # noqa: E402
+from common.torch.token_mask import mask_bias  # noqa: E402
 from common.wire.step_types import SamplingParams  # noqa: E402
 from tests.support.token_masks import pack_mask  # noqa: E402
 
@@ -47,10 +47,10 @@ def test_unpacking_matches_the_wire_layout():
     # Padding bits past the vocabulary (tokens 100..127) are set and must be dropped.
     padded = (int.from_bytes(mask, "little") | ((1 << 128) - (1 << 100))).to_bytes(16, "little")
     rows = torch.frombuffer(bytearray(mask + padded), dtype=torch.uint8).view(2, -1)
-    got = unpack_allowed(rows, V)
-    assert got.shape == (2, V)
+    got = mask_bias(rows, V, torch.float32)
+    assert got.shape == (2, V) and set(got.unique().tolist()) == {0.0, -math.inf}
     for row in got:
-        assert row.nonzero().flatten().tolist() == allowed
+        assert (row == 0).nonzero().flatten().tolist() == allowed
 
 
 def test_a_step_without_masks_builds_nothing():
