@@ -242,8 +242,8 @@ def test_preempted_constrained_requests_resume_under_their_grammar(tight_server)
     prompts = [f"{PROMPTS[i % 4]} {LONG_PROMPT[: 80 + 30 * i]}" for i in range(6)]
     extra = {"structured_outputs": {"json": schema}}
 
-    def complete(prompt):
-        return server.client().completions.create(
+    def call(prompt: str) -> dict:
+        return dict(
             model=server.model_name,
             prompt=prompt,
             max_tokens=200,
@@ -251,23 +251,12 @@ def test_preempted_constrained_requests_resume_under_their_grammar(tight_server)
             extra_body=extra,
         )
 
-    alone = [complete(p).choices[0].text for p in prompts]
+    alone = [server.client().completions.create(**call(p)).choices[0].text for p in prompts]
     before = metric_sum(metrics_text(server), "vllm:num_preemptions_total")
 
     async def at_once():
         async with server.async_client() as client:
-            return await asyncio.gather(
-                *(
-                    client.completions.create(
-                        model=server.model_name,
-                        prompt=p,
-                        max_tokens=200,
-                        temperature=0,
-                        extra_body=extra,
-                    )
-                    for p in prompts
-                )
-            )
+            return await asyncio.gather(*(client.completions.create(**call(p)) for p in prompts))
 
     together = [r.choices[0].text for r in asyncio.run(at_once())]
     assert metric_sum(metrics_text(server), "vllm:num_preemptions_total") > before

@@ -5,21 +5,18 @@ grammar (a fixed token sequence) and the fake executor, which samples only allow
 
 from __future__ import annotations
 
-from collections import deque
-
 import pytest
 
 from common.wire.step_types import token_mask_bytes
 from controller.core.scheduler import Scheduler
 from tests.controller.core.harness import (
     FakeExecutor,
-    Result,
-    check_invariants,
     drive,
     expected_output,
     make_config,
     make_request,
 )
+from tests.controller.core.test_pipeline import drive_pipelined
 
 VOCAB = 2048
 
@@ -101,19 +98,7 @@ def test_pipelined_steps_never_schedule_a_constrained_request_with_a_token_in_fl
     free = [make_request(f"f{i}", 9 + i, max_tokens=12) for i in range(3)]
     for r in grammar_reqs + free:
         sched.add_request(r)
-    ex, results, inflight = FakeExecutor(), {}, deque()
-    while sched.has_unfinished_requests() or inflight:
-        if len(inflight) < depth and sched.has_unfinished_requests():
-            step = sched.schedule()
-            check_invariants(sched, step)
-            if step.num_requests:
-                inflight.append((step, ex.run(step)))
-                continue
-        step, output = inflight.popleft()
-        for u in sched.update_from_output(step, output):
-            res = results.setdefault(u.request_id, Result())
-            res.tokens += u.new_token_ids
-            res.reason = u.finish_reason if u.finished else res.reason
+    results = drive_pipelined(sched, FakeExecutor(), depth)
     for r in grammar_reqs:
         assert results[r.request_id].tokens == TARGET
         assert results[r.request_id].reason == "stop"
