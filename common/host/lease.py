@@ -45,6 +45,7 @@ class LeaseHeld(Exception):
         )
         self.owner = owner  # the current owner
         self.seconds_left = seconds_left  # until its lease expires, if not renewed
+        self.repeated = False  # the same owner was refused for the same holder last time
 
 
 class LeaseLost(Exception):
@@ -66,6 +67,7 @@ class SessionLease:
         self.lease_seconds = 0.0  # the current lease's length (0: no lease)
         self._deadline = 0.0  # when the current lease expires, if not renewed
         self._busy = 0  # calls of the current generation in progress (the lease holds)
+        self._refused = ("", "")  # the last refusal: (the refused owner, the holder)
         self._lock = threading.Lock()
 
     # --- queries (callers hold no lock) --------------------------------------------------
@@ -91,7 +93,10 @@ class SessionLease:
         """A new session for `owner` (LeaseHeld while another owner's lease lives)."""
         with self._lock:
             if self.owner and self.owner != owner and self._left() > 0:
-                raise LeaseHeld(self.owner, self._left())
+                refused = LeaseHeld(self.owner, self._left())
+                refused.repeated = self._refused == (owner, self.owner)
+                self._refused = (owner, self.owner)
+                raise refused
             self.generation += 1
             self.owner = owner
             self.lease_seconds = self._bounded(requested_seconds) if owner else 0.0

@@ -110,8 +110,9 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         try:
             grant = self.lease.grant(request.owner_id, request.lease_seconds)
         except LeaseHeld as exc:
-            log.warning(
-                "InitDevice from %r (%s) refused: %s", request.owner_id, context.peer(), exc
+            level = logging.DEBUG if exc.repeated else logging.WARNING  # it retries every few s
+            log.log(
+                level, "InitDevice from %r (%s) refused: %s", request.owner_id, context.peer(), exc
             )
             context.set_trailing_metadata(
                 ((OWNER_TRAILER, exc.owner), (SECONDS_LEFT_TRAILER, f"{exc.seconds_left:.3f}"))

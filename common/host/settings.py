@@ -135,9 +135,9 @@ class ExecutorSettings(ExecutorConfig):
     max_lease_seconds: float = setting(
         60.0,
         "longest lease a controller's session may hold the executor for (its ask is bounded "
-        "to 1 s..this)",
+        "to 1 s..this; below 1 counts as 1)",
         group=FAILURES,
-        ge=1.0,
+        gt=0,
     )
 
     def finalize(self) -> None:

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import socket
 import uuid
+from typing import TYPE_CHECKING
 
 import grpc
 
 from common.wire.ownership import OWNER_TRAILER, SECONDS_LEFT_TRAILER
+
+if TYPE_CHECKING:
+    from controller.settings import ControllerConfig
 
 
 def new_owner_id() -> str:
@@ -37,3 +41,12 @@ def refusal(exc: grpc.aio.AioRpcError) -> tuple[str, float] | None:
     except ValueError:
         left = 0.0
     return str(owner), left
+
+
+def retry_delay(seconds_left: float, cfg: ControllerConfig) -> float:
+    """Seconds before asking a refusing executor again: when the other owner's lease would
+    expire (it renews while it lives), but at least every third of this controller's own lease
+    (its renewal period) and at the reconnect pace, so that an executor the other owner
+    released (a graceful shutdown) is taken within that, not a whole lease later."""
+    longest = min(cfg.reconnect_backoff_max, cfg.executor_lease_seconds / 3)
+    return min(max(seconds_left + 0.1, cfg.reconnect_backoff_min), longest)

@@ -35,6 +35,7 @@ from controller.fleet.client import (
 )
 from controller.fleet.handshake import describe, handshake, new_scheduler
 from controller.fleet.health import HealthMonitor
+from controller.fleet.ownership import retry_delay
 from controller.fleet.placed import PlacedRequests
 from controller.fleet.placement import StepCostModel
 from controller.fleet.steps import StepLoop
@@ -309,8 +310,7 @@ class ExecutorSession(StepLoop):
             await self.client.close()
 
     def _owned_elsewhere(self, exc: OwnedElsewhere) -> float:
-        """Wait as OWNED_ELSEWHERE; seconds until the next attempt: when the other owner's
-        lease would expire, at the reconnect pace at most (it renews while it lives)."""
+        """Wait as OWNED_ELSEWHERE; the seconds until the next attempt (ownership.retry_delay)."""
         if exc.owner != self.owned_by:
             log.warning(
                 "executor %s is owned by controller %s (lease %.1fs left): not taken; "
@@ -322,10 +322,7 @@ class ExecutorSession(StepLoop):
         self.owned_by = exc.owner
         self.connect_error = str(exc)[:300]
         self._set_state(SessionState.OWNED_ELSEWHERE)
-        cfg = self.config
-        return min(
-            max(exc.seconds_left + 0.1, cfg.reconnect_backoff_min), cfg.reconnect_backoff_max
-        )
+        return retry_delay(exc.seconds_left, self.config)
 
     def _count_failure(self, exc: BaseException) -> None:
         """Count the gRPC status behind a failure (nothing for other failures)."""

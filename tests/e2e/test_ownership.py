@@ -83,7 +83,9 @@ def test_one_owner_at_a_time_with_takeover_and_fencing(default_model_dir, tmp_pa
         # SIGCONT: a's old session is fenced; it does not get the executor back.
         a.controller.send_signal(signal.SIGCONT)
         wait_until(lambda: _refused_by(a, owner_b), 60, "a refused (owned by b)", logs=tmp)
-        assert _state(a)["losses"] == 1
+        fenced = _state(a)
+        assert fenced["losses"] == 1 and not fenced["owned"]
+        assert "stale" in fenced["last_loss"] or "CANCELLED" in fenced["last_loss"]
         time.sleep(LEASE)
         assert _refused_by(a, owner_b) and _owns(b)
         _serves(b)

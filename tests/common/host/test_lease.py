@@ -43,6 +43,10 @@ def test_another_owner_is_refused_while_the_lease_lives(lease, clock):
     assert exc.value.owner == "a"
     assert exc.value.seconds_left == pytest.approx(6.0)
     assert "'a'" in str(exc.value) and "6.0s" in str(exc.value)
+    assert not exc.value.repeated
+    with pytest.raises(LeaseHeld) as again:  # logged quieter: it retries every few seconds
+        lease.grant("b", 10.0)
+    assert again.value.repeated
     assert lease.state() == (1, "a", pytest.approx(6.0))
 
 
