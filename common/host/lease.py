@@ -59,10 +59,14 @@ class SessionLease:
         self,
         max_seconds: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        start: int | None = None,
     ):
         self.max_seconds = max(max_seconds, MIN_LEASE_SECONDS)  # longest lease granted
         self.clock = clock  # monotonic seconds (a fake one in tests)
-        self.generation = 0  # the current session's generation (0: none yet)
+        # The current session's generation (`start`: none yet). It starts from the process's
+        # start time in milliseconds, so that a restarted executor never grants a generation a
+        # controller still holds from the process before (fencing would not tell them apart).
+        self.generation = time.time_ns() // 1_000_000 if start is None else start
         self.owner = ""  # the current session's owner ("": ownerless)
         self.lease_seconds = 0.0  # the current lease's length (0: no lease)
         self._deadline = 0.0  # when the current lease expires, if not renewed

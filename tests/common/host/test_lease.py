@@ -3,6 +3,8 @@ re-init, renewal, expiry, release, stale generations, ownerless sessions."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from common.host.lease import DEFAULT_LEASE_SECONDS, LeaseHeld, LeaseLost, SessionLease
@@ -23,7 +25,7 @@ def clock() -> _Clock:
 
 @pytest.fixture
 def lease(clock) -> SessionLease:
-    return SessionLease(max_seconds=30.0, clock=clock)
+    return SessionLease(max_seconds=30.0, clock=clock, start=0)
 
 
 def test_grant_gives_generations_in_order_and_bounds_the_lease(lease):
@@ -85,6 +87,15 @@ def test_release_lets_the_next_owner_in_at_once_and_fences_the_released(lease):
     with pytest.raises(LeaseLost):
         lease.session_of(gen)
     assert lease.grant("b", 10.0).generation == gen + 2
+
+
+def test_generations_start_from_the_process_start_in_milliseconds():
+    """A restart takes seconds: the new process starts past every generation the one before
+    granted (fewer than one per millisecond)."""
+    before = time.time_ns() // 1_000_000
+    lease = SessionLease()
+    assert before <= lease.generation <= time.time_ns() // 1_000_000
+    assert lease.grant("a", 10.0).generation == lease.generation
 
 
 def test_calls_name_their_session(lease):
