@@ -13,6 +13,7 @@ import signal
 import time
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -66,6 +67,7 @@ def test_one_owner_at_a_time_with_takeover_and_fencing(default_model_dir, tmp_pa
         owner_a = wait_until(lambda: _owns(a), 120, "a to own the executor", logs=tmp)["owner"]
         b = _controller(default_model_dir, tmp, port, "b")
         wait_until(lambda: _refused_by(b, owner_a), 120, "b refused (owned by a)", logs=tmp)
+        assert httpx.get(b.base_url + "/health", timeout=10).status_code == 503  # owns nothing
         _serves(a)
         time.sleep(LEASE)  # a renews: b still cannot take the executor
         assert _refused_by(b, owner_a)
