@@ -188,6 +188,15 @@ class ControllerConfig(ModelSourceSettings):
     reconnect_backoff_max: float = setting(
         10.0, "longest wait between reconnect attempts", group=FLEET
     )
+    # Ownership: an executor serves one controller at a time, under a lease the controller
+    # renews every third of it; a controller that is gone loses its executors after this long.
+    executor_lease_seconds: float = setting(
+        10.0,
+        "lease on each executor this controller drives (renewed every third of it); another "
+        "controller may take an executor whose owner is gone once it expires",
+        group=FLEET,
+        gt=0,
+    )
     no_executor_timeout: float = setting(
         120.0, "seconds a request waits for a healthy executor before a 503", group=FLEET
     )

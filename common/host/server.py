@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common import logs
 from common.host.dtypes import DtypeError
+from common.host.lease import SessionLease
 from common.host.servicer import ExecutorServicer
 from common.host.settings import EXIT_DEVICE_FAILED, ExecutorConfig, ExecutorSettings
 from common.host.worker_base import WorkerBase
@@ -101,6 +102,7 @@ def start_server(worker: WorkerBase, settings: ExecutorSettings, port: int) -> E
         worker,
         settings.max_failed_steps,
         _report_device_failure(health_servicer, settings.device_failure_exit_after, failed),
+        SessionLease(settings.max_lease_seconds),
     )
     pb_grpc.add_ExecutorServicer_to_server(servicer, server)
     if settings.grpc_reflection:  # opt-in: it tells anyone who can connect what is served

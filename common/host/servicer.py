@@ -1,9 +1,12 @@
 """The Executor gRPC servicer, written once against WorkerBase.
 
 Thin by design: protobuf in, domain objects to the worker, protobuf out. One controller session
-at a time: InitDevice starts a new session (resetting request state), and every ExecuteModel
-stream replaces the one before it. A replaced stream runs no further step: its next request
-ends it with ABORTED, so two controllers never drive the device at once.
+at a time: InitDevice starts a new session (resetting request state) for its owner, under a
+lease (common.host.lease), and every ExecuteModel stream replaces the one before it. A replaced
+stream runs no further step: its next request ends it with ABORTED (FAILED_PRECONDITION when
+another owner took the executor: that owner's InitDevice also ends it at once), so two
+controllers never drive the device at once. A session's calls carry its generation in the
+metadata (SESSION_METADATA); a stale one is refused with FAILED_PRECONDITION (fencing).
 
 Failures stay as small as their cause (common.host.device_errors): a request the runner cannot
 run fails alone (its error in the step's result); a step that fails as a whole for another
@@ -23,9 +26,11 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from common.host.device_errors import is_fatal_device_error
+from common.host.lease import LeaseHeld, LeaseLost, SessionLease
 from common.host.request_log import log_failed_requests, log_step_requests
 from common.host.worker_base import WorkerBase
 from common.wire import convert
+from common.wire.ownership import OWNER_TRAILER, SECONDS_LEFT_TRAILER, SESSION_METADATA
 from common.wire.pb import executor_pb2 as pb
 from common.wire.pb import executor_pb2_grpc as pb_grpc
 from common.wire.step_types import RequestStepOutput, StepInput, StepOutput
@@ -41,6 +46,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         worker: WorkerBase,
         max_failed_steps: int = 3,
         on_device_failed: Callable[[str], None] | None = None,
+        lease: SessionLease | None = None,
     ):
         self.worker = worker  # the device worker
         self.max_failed_steps = max(max_failed_steps, 1)  # whole-step failures in a row that
@@ -48,8 +54,10 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self.on_device_failed = on_device_failed  # told once when the device failed
         self._failed_steps = 0  # whole-step failures in a row
         self._lock = threading.Lock()  # one device call at a time
-        self._session = 0  # bumped by every InitDevice; older streams end
+        self.lease = lease or SessionLease()  # the session's owner, lease and generation
         self._stream = 0  # bumped by every ExecuteModel; older streams end
+        self._open: dict[int, tuple[int, str, object]] = {}  # open streams: stream ->
+        # (generation, owner, gRPC context), to end them when another owner takes over
         self._streams_open = 0  # ExecuteModel calls in progress
         self._state = threading.Condition()  # guards the stream counters
 
@@ -98,8 +106,22 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         self.worker.load_model()
 
     def InitDevice(self, request: pb.InitDeviceRequest, context) -> pb.InitDeviceResponse:
+        self._check_device(context)
+        try:
+            grant = self.lease.grant(request.owner_id, request.lease_seconds)
+        except LeaseHeld as exc:
+            level = logging.DEBUG if exc.repeated else logging.WARNING  # it retries every few s
+            log.log(
+                level, "InitDevice from %r (%s) refused: %s", request.owner_id, context.peer(), exc
+            )
+            context.set_trailing_metadata(
+                ((OWNER_TRAILER, exc.owner), (SECONDS_LEFT_TRAILER, f"{exc.seconds_left:.3f}"))
+            )
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        self._end_other_owners(request.owner_id)
+
         def init():
-            self._session += 1
+            self._fence(grant.generation, context)
             self._ensure_loaded()
             self.worker.configure(
                 request.max_num_batched_tokens, request.max_num_seqs, request.max_model_len
@@ -108,27 +130,87 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             self._failed_steps = 0
             return self.worker.describe()
 
-        info = self._device_call(init, context)
+        with self.lease.hold(grant.generation):
+            info = self._device_call(init, context)
         log.info(
-            "session %d: InitDevice from %s (%s %s, incarnation %s)",
-            self._session,
+            "session %d: InitDevice from %r at %s (lease %.1fs; %s %s, incarnation %s)",
+            grant.generation,
+            request.owner_id,
             context.peer(),
+            grant.lease_seconds,
             info.device_kind,
             info.device_name,
             info.incarnation_id[:8],
         )
-        return convert.device_info_to_pb(info)
+        resp = convert.device_info_to_pb(info)
+        resp.generation, resp.lease_seconds = grant.generation, grant.lease_seconds
+        return resp
+
+    def RenewLease(self, request: pb.LeaseRequest, context) -> pb.LeaseResponse:
+        """Keep the owner's lease alive (FAILED_PRECONDITION once its session is not current)."""
+        try:
+            seconds = self.lease.renew(request.owner_id, request.generation)
+        except LeaseLost as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return pb.LeaseResponse(lease_seconds=seconds)
+
+    def ReleaseSession(self, request: pb.LeaseRequest, context) -> pb.LeaseResponse:
+        """End the owner's session now; its open stream ends at its next step."""
+        try:
+            self.lease.release(request.owner_id, request.generation)
+        except LeaseLost as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        log.info("session %d: released by %r", request.generation, request.owner_id)
+        return pb.LeaseResponse(lease_seconds=0.0)
+
+    def _session_of(self, context) -> int:
+        """The generation of the session a call belongs to (from its metadata); the call ends
+        FAILED_PRECONDITION when it is stale or, without one, the executor has an owner."""
+        named = None
+        for key, value in context.invocation_metadata() or ():
+            if key == SESSION_METADATA:
+                try:
+                    named = int(value)
+                except ValueError:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad {SESSION_METADATA}")
+        try:
+            return self.lease.session_of(named)
+        except LeaseLost as exc:
+            log.warning("call from %s refused: %s", context.peer(), exc)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
+    def _fence(self, generation: int, context) -> None:
+        """End the call FAILED_PRECONDITION if its session is no longer the current one."""
+        reason = self.lease.stale(generation)
+        if reason:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
+
+    def _end_other_owners(self, owner: str) -> None:
+        """Another owner took the executor: end the open streams of earlier owners now (their
+        clients see CANCELLED) instead of at their next step, which may never come."""
+        with self._state:
+            ended = [ctx for _, o, ctx in self._open.values() if o != owner]
+        for ctx in ended:
+            ctx.cancel()
+        if ended:
+            log.warning(
+                "%d step streams of an earlier owner ended (taken by %r)", len(ended), owner
+            )
 
     def Identify(self, request, context) -> pb.IdentifyResponse:
         """The incarnation id, without the device lock (a warm-up may hold it for minutes)."""
         return pb.IdentifyResponse(incarnation_id=self.worker.incarnation_id)
 
     def ProfileMemory(self, request, context) -> pb.ProfileMemoryResponse:
+        generation = self._session_of(context)
+
         def profile_memory():
+            self._fence(generation, context)
             self._ensure_loaded()
             return self.worker.determine_available_memory()
 
-        profile = self._device_call(profile_memory, context)
+        with self.lease.hold(generation):
+            profile = self._device_call(profile_memory, context)
         log.info("profiled: %.1f MiB for the KV cache", profile.available_kv_bytes / 2**20)
         return convert.memory_profile_to_pb(profile)
 
@@ -136,11 +218,15 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         if request.num_blocks < 2:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_blocks must be at least 2")
 
+        generation = self._session_of(context)
+
         def initialize():
+            self._fence(generation, context)
             self._ensure_loaded()
             return self.worker.initialize_cache(request.num_blocks)
 
-        seconds, graphs = self._device_call(initialize, context)
+        with self.lease.hold(generation):
+            seconds, graphs = self._device_call(initialize, context)
         log.info("cache: %d blocks; warm-up %.2fs, %d graphs", request.num_blocks, seconds, graphs)
         return pb.InitializeCacheResponse(warmup_seconds=seconds, num_compiled_graphs=graphs)
 
@@ -154,20 +240,25 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         with self._state:
             return self._state.wait_for(lambda: self._streams_open == 0, timeout)
 
-    def _replaced(self, session: int, stream: int) -> str:
-        if session != self._session:
-            return "replaced by a newer controller session (InitDevice)"
+    def _replaced(self, session: int, stream: int, owner: str) -> tuple[grpc.StatusCode, str]:
+        """Why the stream may not run a step (a status and "" when it may)."""
+        generation, current, _ = self.lease.state()
+        if session != generation and owner != current:
+            return grpc.StatusCode.FAILED_PRECONDITION, f"fenced: {self.lease.stale(session)}"
+        if session != generation:
+            return grpc.StatusCode.ABORTED, "replaced by a newer controller session (InitDevice)"
         if stream != self._stream:
-            return "replaced by a newer step stream (ExecuteModel)"
-        return ""
+            return grpc.StatusCode.ABORTED, "replaced by a newer step stream (ExecuteModel)"
+        return grpc.StatusCode.OK, ""
 
     def ExecuteModel(self, request_iterator, context):
         self._check_device(context)
+        session = self._session_of(context)
         if not self.worker.cache_initialized:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "InitializeCache first")
         with self._state:
             self._stream += 1
-            session, stream = self._session, self._stream
+            stream, owner = self._stream, self.lease.owner
             if self._streams_open:
                 log.warning(
                     "session %d: a new step stream from %s replaces the open one",
@@ -175,18 +266,20 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                     context.peer(),
                 )
             self._streams_open += 1
+            self._open[stream] = (session, owner, context)
         log.info("session %d: step stream %d opened by %s", session, stream, context.peer())
         try:
-            yield from self._steps(request_iterator, context, session, stream)
+            yield from self._steps(request_iterator, context, session, stream, owner)
         finally:
             with self._state:
                 self._streams_open -= 1
+                self._open.pop(stream, None)
                 self._state.notify_all()
             log.info("session %d: step stream %d closed", session, stream)
 
-    def _steps(self, request_iterator, context, session: int, stream: int):
+    def _steps(self, request_iterator, context, session: int, stream: int, owner: str):
         def execute(step: StepInput) -> tuple[StepInput, StepOutput]:
-            return step, self._execute(step, session, stream)
+            return step, self._execute(step, session, stream, owner)
 
         if self.worker.decode_steps_ahead:
             outputs = _run_ahead(_decoded_ahead(request_iterator), execute)
@@ -198,14 +291,15 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         except _StepAborted as exc:
             context.abort(exc.code, exc.details)
 
-    def _execute(self, step: StepInput, session: int, stream: int) -> StepOutput:
-        """Run one step on the worker, unless the stream was replaced (_StepAborted)."""
+    def _execute(self, step: StepInput, session: int, stream: int, owner: str = "") -> StepOutput:
+        """Run one step on the worker, unless the stream was replaced or its session (of
+        `owner`) fenced (_StepAborted)."""
         started = time.perf_counter()
         with self._lock:
-            replaced = self._replaced(session, stream)
+            code, replaced = self._replaced(session, stream, owner)
             if replaced:
                 log.warning("session %d: step stream %d ends: %s", session, stream, replaced)
-                raise _StepAborted(grpc.StatusCode.ABORTED, replaced)
+                raise _StepAborted(code, replaced)
             if self.worker.device_failure:
                 raise _StepAborted(
                     grpc.StatusCode.UNAVAILABLE, f"device failed: {self.worker.device_failure}"

@@ -130,6 +130,15 @@ class ExecutorSettings(ExecutorConfig):
         group=FAILURES,
         ge=1,
     )
+    # Ownership: a controller's session holds the executor under a lease it renews; a lost
+    # controller's executor waits at most this long for another controller.
+    max_lease_seconds: float = setting(
+        60.0,
+        "longest lease a controller's session may hold the executor for (its ask is bounded "
+        "to 1 s..this; below 1 counts as 1)",
+        group=FAILURES,
+        gt=0,
+    )
 
     def finalize(self) -> None:
         """Reject TLS flags that do not go together."""

@@ -60,6 +60,9 @@ class ExecutorSnapshot:
     duplicate_of: str = ""  # the address of the session driving the same executor process,
     # while this one waits as its duplicate ("" otherwise)
     tensor_parallel_size: int = 1  # devices the executor shards the model over (its handshake's)
+    owned: bool = False  # this controller owns the executor's session (a lease it renews)
+    owner: str = ""  # the owner id holding it: this controller's own while owned, else the
+    # other controller that refused the handshake ("" when unknown)
 
     @property
     def free_blocks(self) -> int:

@@ -11,10 +11,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.wire import convert
 from common.wire.config import DeviceInfo, MemoryProfile
+from common.wire.ownership import SESSION_METADATA
 from common.wire.pb import executor_pb2 as pb
 from common.wire.pb import executor_pb2_grpc as pb_grpc
 from common.wire.rpc_token import token_metadata
 from common.wire.step_types import StepInput, StepOutput
+from controller.fleet.ownership import refusal
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,20 @@ class ExecutorLost(RuntimeError):
     """The executor's stream broke, it restarted, or it stopped answering in time."""
 
 
+class OwnedElsewhere(ExecutorLost):
+    """InitDevice was refused: another controller's lease on the executor lives."""
+
+    def __init__(self, owner: str, seconds_left: float, details: str):
+        super().__init__(details)
+        self.owner = owner  # the owner id holding the executor
+        self.seconds_left = seconds_left  # until its lease expires, unless renewed
+
+
+class LeaseLost(ExecutorLost):
+    """The executor refused to renew this controller's session: another owner took it, or it
+    was released."""
+
+
 class StepNotSendable(ValueError):
     """A step that cannot be converted to its wire form: nothing was sent, the stream and the
     executor are fine (a request's data is at fault, see convert.step_wire_problems)."""
@@ -87,11 +103,20 @@ class ExecutorClient:
     """gRPC channel, handshake and ExecuteModel stream to one executor."""
 
     def __init__(
-        self, address: str, step_timeout: float = 300.0, security: ChannelSecurity | None = None
+        self,
+        address: str,
+        step_timeout: float = 300.0,
+        security: ChannelSecurity | None = None,
+        owner_id: str = "",
+        lease_seconds: float = 0.0,
     ):
         self.address = address  # host:port
         self.step_timeout = step_timeout  # seconds a step may take before the executor is lost
         self.security = security or ChannelSecurity()  # TLS and token of every call
+        self.owner_id = owner_id  # this controller's owner id ("" = ownerless sessions)
+        self.lease_seconds = lease_seconds  # the lease asked for (0 = the executor's default)
+        self.generation = 0  # the session InitDevice granted (0: none, or an older executor)
+        self.granted_seconds = 0.0  # the lease granted (0: none to renew)
         self._channel: grpc.aio.Channel | None = None  # opened in the serving event loop
         self._call = None  # the open ExecuteModel stream
 
@@ -159,7 +184,6 @@ class ExecutorClient:
         """
         await self.close_stream()
         _ = self.channel
-        meta = self.security.metadata
 
         async def init_device(tokens: int, seqs: int) -> DeviceInfo:
             req = pb.InitDeviceRequest(
@@ -167,15 +191,19 @@ class ExecutorClient:
                 max_num_seqs=seqs,
                 max_model_len=max_model_len,
                 seed=seed,
+                owner_id=self.owner_id,
+                lease_seconds=self.lease_seconds,
             )
-            return convert.device_info_from_pb(
-                await self._stub.InitDevice(req, timeout=timeout, metadata=meta)
-            )
+            self.generation, self.granted_seconds = 0, 0.0
+            resp = await self._init_device(req, timeout)
+            self.generation, self.granted_seconds = resp.generation, resp.lease_seconds
+            return convert.device_info_from_pb(resp)
 
         info = await init_device(max_num_batched_tokens, max_num_seqs)
         override = (kind_limits or {}).get(info.device_kind)
         if override and override != (max_num_batched_tokens, max_num_seqs):
             info = await init_device(*override)
+        meta = self.session_metadata
         memory = convert.memory_profile_from_pb(
             await self._stub.ProfileMemory(
                 pb.ProfileMemoryRequest(), timeout=timeout, metadata=meta
@@ -194,6 +222,58 @@ class ExecutorClient:
         )
         return HandshakeResult(info, memory, num_blocks, resp.warmup_seconds)
 
+    async def _init_device(self, req: pb.InitDeviceRequest, timeout: float):
+        """InitDevice; OwnedElsewhere when another controller's lease holds the executor."""
+        try:
+            return await self._stub.InitDevice(
+                req, timeout=timeout, metadata=self.security.metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            refused = refusal(exc)
+            if refused is None:
+                raise
+            raise OwnedElsewhere(*refused, exc.details() or "") from exc
+
+    @property
+    def session_metadata(self) -> tuple:
+        """The metadata of the session's calls: the token, and the generation (fencing)."""
+        if not self.generation:
+            return self.security.metadata
+        return (*self.security.metadata, (SESSION_METADATA, str(self.generation)))
+
+    async def renew_lease(self, timeout: float) -> float:
+        """Renew the session's lease; the lease's length. LeaseLost when the executor says the
+        session is no longer its own; other gRPC errors are raised as they are."""
+        try:
+            resp = await self._stub.RenewLease(
+                pb.LeaseRequest(owner_id=self.owner_id, generation=self.generation),
+                timeout=timeout,
+                metadata=self.security.metadata,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise LeaseLost(f"lease lost: {exc.details()}") from exc
+            raise
+        return resp.lease_seconds
+
+    async def release_session(self, timeout: float) -> bool:
+        """Release the session (another controller may take the executor at once); whether
+        the executor took the release. Never raises: the lease expires anyway."""
+        if not self.generation or self._channel is None:
+            return False
+        generation, self.generation = self.generation, 0
+        try:
+            await self._stub.ReleaseSession(
+                pb.LeaseRequest(owner_id=self.owner_id, generation=generation),
+                timeout=timeout,
+                metadata=self.security.metadata,
+            )
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+            log.info("executor %s: release of session %d failed: %s", self.address, generation, exc)
+            return False
+        log.info("executor %s: session %d released", self.address, generation)
+        return True
+
     async def step(self, step: StepInput) -> StepOutput:
         """Send one step on the stream and wait for its result."""
         await self.send_step(step)
@@ -208,7 +288,7 @@ class ExecutorClient:
             raise StepNotSendable(f"step {step.step_id}: {exc!r}") from exc
         try:
             if self._call is None:
-                self._call = self._stub.ExecuteModel(metadata=self.security.metadata)
+                self._call = self._stub.ExecuteModel(metadata=self.session_metadata)
             await self._call.write(msg)
         except grpc.aio.AioRpcError as exc:
             await self.close_stream()

@@ -33,6 +33,7 @@ from controller.fleet.discovery import Discovery
 from controller.fleet.fleet_model import FleetModel
 from controller.fleet.incarnations import Incarnations
 from controller.fleet.maintenance import Maintenance
+from controller.fleet.ownership import new_owner_id
 from controller.fleet.placement import (
     PlacementPolicy,
     PlacementQuery,
@@ -79,6 +80,7 @@ class Engine(Maintenance):
         self.policy = PlacementPolicy(config.prefix_affinity, config.affinity_max_wait)
         self.discovery = Discovery(config)  # where executors are
         self.sessions: dict[str, ExecutorSession] = {}  # by address
+        self.owner_id = new_owner_id()  # this controller process, as executors know it
         self.model = FleetModel(config.max_model_len, tokenizer.eos_token_ids)  # its limits
         self.waiting: dict[str, Tracked] = {}  # requests waiting for a healthy executor
         self._incarnations = Incarnations(lambda address: address in self.sessions)
@@ -119,7 +121,13 @@ class Engine(Maintenance):
             if session is None:
                 log.info("executor %s joined (%s)", address, source)
                 session = self.sessions[address] = ExecutorSession(
-                    self, self.config, self.metrics, address, source, self.executor_security
+                    self,
+                    self.config,
+                    self.metrics,
+                    address,
+                    source,
+                    self.executor_security,
+                    self.owner_id,
                 )
                 session.start()
             elif session.leaving and session.rejoin():

@@ -5,17 +5,25 @@ raises), when `failures` health checks in a row get no answer within `timeout` (
 stopped process, a partition), or at once when the executor reports NOT_SERVING (it is
 shutting down). The guard abandons a step in flight the moment the checks give up, so a hung
 executor does not hold its requests until the step deadline.
+
+Beside the checks, the monitor renews the session's lease (when the executor granted one)
+every third of its length: a renewal the executor refuses (another controller took it) loses
+the session at once; one that gets no answer is left to the health checks to judge.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from controller.fleet.client import ExecutorClient, ExecutorLost
+import grpc
+
+from controller.fleet.client import ExecutorClient, ExecutorLost, LeaseLost
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class HealthMonitor:
@@ -37,6 +45,7 @@ class HealthMonitor:
         self.lost = asyncio.Event()  # set once the session is judged lost
         self.reason = ""  # why
         self._task: asyncio.Task | None = None  # the check loop
+        self._renewal: asyncio.Task | None = None  # the lease renewal loop, if a lease
         self._guarded: asyncio.Task | None = None  # the task awaiting guarded work, if any
         self._interrupted: asyncio.Task | None = None  # a guarded task cancelled as lost
 
@@ -46,12 +55,34 @@ class HealthMonitor:
         self.reason = ""
         self._interrupted = None
         self._task = asyncio.create_task(self._loop(), name=f"health-{self.client.address}")
+        if self.client.granted_seconds > 0:
+            self._renewal = asyncio.create_task(
+                self._renew(self.client.granted_seconds / 3), name=f"lease-{self.client.address}"
+            )
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        tasks = [t for t in (self._task, self._renewal) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = self._renewal = None
+
+    async def _renew(self, period: float) -> None:
+        """Renew the lease every `period` seconds until the session ends or loses it."""
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.client.renew_lease(min(self.timeout, period))
+            except LeaseLost as exc:
+                log.warning("executor %s: %s", self.client.address, exc)
+                self.declare_lost(str(exc))
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    return  # an executor of a version without leases
+                log.info("executor %s: lease renewal failed: %s", self.client.address, exc.code())
+            except (grpc.aio.UsageError, TimeoutError) as exc:
+                log.info("executor %s: lease renewal failed: %r", self.client.address, exc)
 
     def declare_lost(self, reason: str) -> None:
         if not self.lost.is_set():

@@ -9,8 +9,12 @@ reconnects with backoff. Every successful handshake reinitializes the executor's
 the session always starts with an empty pool; a new incarnation id also tells it the process
 restarted. Before its handshake, a session asks the executor who it is (Identify): an executor
 another session already drives (the same process under another address) is not driven twice;
-this session waits as a duplicate and retries. It reports only through the `SessionOwner` it is
-given, and shows itself to the rest of the controller as `ExecutorSnapshot`s.
+this session waits as a duplicate and retries. An executor another controller owns (its lease
+lives: controller.fleet.ownership) refuses the handshake: the session waits as OWNED_ELSEWHERE
+and retries when that lease would expire, without counting a failure. When the session ends
+for good it releases the executor, so another controller may take it at once. It reports only
+through the `SessionOwner` it is given, and shows itself to the rest of the controller as
+`ExecutorSnapshot`s.
 """
 
 from __future__ import annotations
@@ -22,9 +26,16 @@ import time
 from typing import TYPE_CHECKING
 
 from controller.core.snapshot import ExecutorSnapshot
-from controller.fleet.client import ChannelSecurity, ExecutorClient, ExecutorLost, grpc_status_of
+from controller.fleet.client import (
+    ChannelSecurity,
+    ExecutorClient,
+    ExecutorLost,
+    OwnedElsewhere,
+    grpc_status_of,
+)
 from controller.fleet.handshake import describe, handshake, new_scheduler
 from controller.fleet.health import HealthMonitor
+from controller.fleet.ownership import retry_delay
 from controller.fleet.placed import PlacedRequests
 from controller.fleet.placement import StepCostModel
 from controller.fleet.steps import StepLoop
@@ -48,6 +59,7 @@ class SessionState(enum.Enum):
     UNHEALTHY = "unhealthy"  # lost; reconnecting with backoff
     DRAINING = "draining"  # left discovery: finishes its requests, takes no new work
     DUPLICATE = "duplicate"  # another address reaches the same executor: waits, retrying
+    OWNED_ELSEWHERE = "owned_elsewhere"  # another controller's lease holds it: waits, retrying
     REMOVED = "removed"  # gone for good
 
 
@@ -63,13 +75,16 @@ class ExecutorSession(StepLoop):
         address: str,
         source: str = "static",
         security: ChannelSecurity | None = None,
+        owner_id: str = "",
     ):
         self.owner = owner  # told about readiness, finished and moved requests, the end
         self.config = config  # controller configuration
         self.metrics = metrics  # where its events are counted
         self.address = address  # host:port
         self.source = source  # how it was found: static, dns or file
-        self.client = ExecutorClient(address, config.step_timeout, security)
+        self.client = ExecutorClient(
+            address, config.step_timeout, security, owner_id, config.executor_lease_seconds
+        )
         self.scheduler: SchedulerBase | None = None  # rebuilt by every handshake
         self.info: DeviceInfo | None = None  # the latest InitDevice answer
         self.num_blocks = 0  # KV blocks on the device
@@ -82,6 +97,7 @@ class ExecutorSession(StepLoop):
         self.last_loss = ""  # why it was last lost
         self.connect_error = ""  # why the current connection attempts fail ("" once connected)
         self.duplicate_of = ""  # the address driving the same executor, while a duplicate
+        self.owned_by = ""  # the other controller holding the executor, while it refuses us
         self.incarnations = 0  # distinct incarnation ids seen
         self.losses = 0  # times lost
         self.reconnects = 0  # handshakes after a loss
@@ -179,6 +195,8 @@ class ExecutorSession(StepLoop):
             last_loss=self.last_loss,
             connect_error=self.connect_error,
             duplicate_of=self.duplicate_of,
+            owned=self.client.generation > 0 and self.scheduler is not None,
+            owner=self.client.owner_id if self.scheduler is not None else self.owned_by,
         )
 
     @property
@@ -258,6 +276,9 @@ class ExecutorSession(StepLoop):
                 await self.client.close()  # every attempt starts on a fresh channel
                 try:
                     await self._connect()
+                except OwnedElsewhere as exc:  # not a failure: wait for its lease
+                    await asyncio.sleep(self._owned_elsewhere(exc))
+                    continue
                 except Exception as exc:  # not up yet, or failing: retry
                     self._count_failure(exc)
                     error = repr(exc)[:300]
@@ -267,6 +288,7 @@ class ExecutorSession(StepLoop):
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, cfg.reconnect_backoff_max)
                     continue
+                self.owned_by = ""
                 delay = cfg.reconnect_backoff_min
                 self.health.start()
                 try:
@@ -284,7 +306,23 @@ class ExecutorSession(StepLoop):
             self._set_state(SessionState.REMOVED)
             self.owner.release_incarnation(self.address)
             self.owner.session_removed(self.address)
+            await self.client.release_session(cfg.health_check_timeout)
             await self.client.close()
+
+    def _owned_elsewhere(self, exc: OwnedElsewhere) -> float:
+        """Wait as OWNED_ELSEWHERE; the seconds until the next attempt (ownership.retry_delay)."""
+        if exc.owner != self.owned_by:
+            log.warning(
+                "executor %s is owned by controller %s (lease %.1fs left): not taken; "
+                "retrying when its lease would expire",
+                self.address,
+                exc.owner,
+                exc.seconds_left,
+            )
+        self.owned_by = exc.owner
+        self.connect_error = str(exc)[:300]
+        self._set_state(SessionState.OWNED_ELSEWHERE)
+        return retry_delay(exc.seconds_left, self.config)
 
     def _count_failure(self, exc: BaseException) -> None:
         """Count the gRPC status behind a failure (nothing for other failures)."""

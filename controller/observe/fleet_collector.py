@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # executor (none can take them now).
 FleetReader = Callable[[], "tuple[Iterable[ExecutorSnapshot], int]"]
 
-STATES = ("connecting", "healthy", "unhealthy", "draining", "duplicate")
+STATES = ("connecting", "healthy", "unhealthy", "draining", "duplicate", "owned_elsewhere")
 ACCELERATORS = ("gpu", "tpu", "cpu")
 
 

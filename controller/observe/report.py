@@ -46,4 +46,6 @@ def executor_report(snap: ExecutorSnapshot, now: float | None = None) -> dict:
         "last_loss": snap.last_loss,
         "connect_error": snap.connect_error,
         "duplicate_of": snap.duplicate_of,
+        "owned": snap.owned,
+        "owner": snap.owner,
     }

@@ -58,6 +58,9 @@ class _Context:
     def peer(self) -> str:
         return "test"
 
+    def invocation_metadata(self) -> tuple:
+        return ()
+
 
 class _Aborted(Exception):
     def __init__(self, code, details):
@@ -77,7 +80,7 @@ def _servicer(default_model_dir: str, fault: str) -> tuple[ExecutorServicer, lis
 
 def _run(servicer: ExecutorServicer, step: StepInput):
     """A step on the servicer's current session and stream."""
-    return servicer._execute(step, servicer._session, servicer._stream)
+    return servicer._execute(step, servicer.lease.generation, servicer._stream)
 
 
 def _step(step_id: int, *prompts: list[int]) -> StepInput:

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from common.host.lease import SessionLease
 from common.host.servicer import ExecutorServicer
 from common.host.settings import ExecutorConfig
 from common.wire.step_types import CachedRequestData, NewRequestData, SamplingParams, StepInput
@@ -25,7 +26,7 @@ def _new(rid: str, prompt: list[int], output: list[int] = ()) -> NewRequestData:
 def servicer(default_model_dir) -> ExecutorServicer:
     options = SimOptions(latency=LatencyModel(fixed_s=0.0, per_token_s=0.0), num_blocks=64)
     worker = SimWorker(ExecutorConfig(model=default_model_dir), options)
-    s = ExecutorServicer(worker)
+    s = ExecutorServicer(worker, lease=SessionLease(start=0))  # session 0, as the steps say
     s.load()
     worker.initialize_cache(64)
     return s

@@ -68,6 +68,9 @@ class FakeClient:
         self.tokens = 0  # tokens in the steps answered
         self.lose_next = False  # raise ExecutorLost at the next receive_result
         self.all_sent: list[StepInput] = []  # every step sent, answered or not
+        self.owner_id = ""  # ownerless sessions: no lease to renew or release
+        self.generation = 0
+        self.granted_seconds = 0.0
 
     async def check_health(self, timeout: float) -> str:
         return "SERVING"
@@ -110,6 +113,9 @@ class FakeClient:
 
     async def close(self) -> None:
         self.sent.clear()
+
+    async def release_session(self, timeout: float) -> bool:
+        return False
 
 
 class FakeOwner:

@@ -131,6 +131,8 @@ def test_admin_report_is_a_function_of_a_snapshot():
         losses=2,
         reconnects=1,
         last_loss="stream broke",
+        owned=True,
+        owner="host/abc",
     )
     assert executor_report(snap, now=100.0) == {
         "address": "a:1",
@@ -165,6 +167,8 @@ def test_admin_report_is_a_function_of_a_snapshot():
         "last_loss": "stream broke",
         "connect_error": "",
         "duplicate_of": "",
+        "owned": True,
+        "owner": "host/abc",
     }
     before = snapshot(kind=None, device=None, incarnation=None, state="connecting")
     report = executor_report(before)
