@@ -32,6 +32,7 @@ import torch
 
 from common.torch.sampling import seed_key
 from common.wire.step_types import SamplingParams, TokenLogprobs
+from executor_tpu.token_mask import apply_mask, mask_words
 
 #: Candidates of the ``topk`` variant.
 CANDIDATES = 256
@@ -47,30 +48,35 @@ class SampleVariant:
 
     kind: str  # "greedy", "topk" or "sort"
     adjust: bool  # penalties / min-tokens masking present
+    masked: bool = False  # a row has an allowed-token mask (structured output)
 
 
 #: Every variant, in warm-up order.
 VARIANTS = [
-    SampleVariant(kind, adjust) for kind in ("greedy", "topk", "sort") for adjust in (False, True)
+    SampleVariant(kind, adjust, masked)
+    for masked in (False, True)
+    for kind in ("greedy", "topk", "sort")
+    for adjust in (False, True)
 ]
 
 
 def choose_variant(
-    params: list[SamplingParams], vocab_size: int, num_outputs: list[int]
+    params: list[SamplingParams], vocab_size: int, num_outputs: list[int], masked: bool = False
 ) -> SampleVariant:
-    """The cheapest variant that samples ``params`` exactly."""
+    """The cheapest variant that samples ``params`` exactly (``masked``: some row has an
+    allowed-token mask)."""
     adjust = any(
         p.has_penalties or (n < p.min_tokens and p.stop_token_ids)
         for p, n in zip(params, num_outputs)
     )
     random = [p for p in params if not p.greedy]
     if not random and all(p.logprobs is None for p in params):
-        return SampleVariant("greedy", adjust)
+        return SampleVariant("greedy", adjust, masked)
     for p in random:
         k = p.top_k if 0 < p.top_k < vocab_size else 0
         if k > CANDIDATES or (k == 0 and p.top_p < 1.0):
-            return SampleVariant("sort", adjust)
-    return SampleVariant("topk", adjust)
+            return SampleVariant("sort", adjust, masked)
+    return SampleVariant("topk", adjust, masked)
 
 
 @dataclass
@@ -85,6 +91,7 @@ class SamplingInputs:
     output_start: np.ndarray | None  # [R] int64 index of the first generated token in history
     suppress: np.ndarray | None  # [R, V] bool stop ids masked before min_tokens, adjust only
     num_logprobs: list[int | None]  # per real row: top logprobs asked for (None = none)
+    allowed: np.ndarray | None = None  # [R, words] int32 packed allowed tokens, masked only
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The arrays to move to the device, by name."""
@@ -93,6 +100,8 @@ class SamplingInputs:
             out.update(
                 s_history=self.history, s_output_start=self.output_start, s_suppress=self.suppress
             )
+        if self.variant.masked:
+            out["s_allowed"] = self.allowed
         return out
 
 
@@ -106,12 +115,16 @@ def build_sampling_inputs(
     max_logprobs: int,
     unseeded_keys: list[int],
     variant: SampleVariant | None = None,
+    masks: list[bytes | None] | None = None,
 ) -> SamplingInputs:
     """Host arrays for the rows' parameters; row i samples the token at ``len(token_ids[i])``.
-    ``unseeded_keys`` gives the noise key of each row without a seed (one per row)."""
+    ``unseeded_keys`` gives the noise key of each row without a seed (one per row);
+    ``masks`` each row's allowed-token mask (None = any token; see executor_tpu.token_mask)."""
     n = len(params)
+    masks = masks or [None] * n
     outputs = [len(t) - p for t, p in zip(token_ids, num_prompt)]
-    variant = variant or choose_variant(params, vocab_size, outputs)
+    masked = any(m is not None for m in masks)
+    variant = variant or choose_variant(params, vocab_size, outputs, masked)
     floats = np.zeros((6, request_bucket), np.float32)
     floats[1], floats[5] = 1.0, 1.0  # top_p and repetition off for padding rows
     ints = np.zeros((2, request_bucket), np.int64)
@@ -140,7 +153,10 @@ def build_sampling_inputs(
                 stops = [t for t in p.stop_token_ids if 0 <= t < vocab_size]
                 suppress[i, stops] = True
     num_lp = [None if p.logprobs is None else min(p.logprobs, max_logprobs) for p in params]
-    return SamplingInputs(variant, floats, ints, history, output_start, suppress, num_lp[:n])
+    allowed = mask_words(masks, request_bucket, vocab_size) if variant.masked else None
+    return SamplingInputs(
+        variant, floats, ints, history, output_start, suppress, num_lp[:n], allowed
+    )
 
 
 # --- device side ------------------------------------------------------------------------------
@@ -230,7 +246,10 @@ def sample(
 ) -> torch.Tensor:
     """Sample a row of ``logits`` [R, V]; returns [R, 2] (token, row ok) for ``greedy``, else
     [R, 4 + 2 * num_logprobs] (token, row ok, then ``token_logprobs``). Token ids travel as
-    float32, exact below 2**24."""
+    float32, exact below 2**24. A ``masked`` variant first sets disallowed tokens to -inf:
+    sampling and logprobs are of the constrained distribution."""
+    if variant.masked:
+        logits, row_ok = apply_mask(logits, row_ok, d["s_allowed"])
     raw = logits
     if variant.adjust:
         logits = adjust_logits(logits, d)
@@ -259,13 +278,14 @@ def sample(
 
 def unpack_logprobs(row: np.ndarray, token: int, k: int) -> TokenLogprobs:
     """TokenLogprobs from a ``token_logprobs`` row, trimmed to k alternatives."""
-    top_ids = row[2 : 2 + k].astype(np.int64).tolist()
     width = (len(row) - 2) // 2
-    top_lps = row[2 + width : 2 + width + k].tolist()
+    top_lps = row[2 + width : 2 + width + k]
+    # A masked row allowing fewer than k tokens has disallowed ones (at -inf) among its top k.
+    keep = np.isfinite(top_lps)
     return TokenLogprobs(
         token_id=token,
         logprob=float(row[0]),
         rank=int(row[1]),
-        top_token_ids=top_ids,
-        top_logprobs=top_lps,
+        top_token_ids=row[2 : 2 + k][keep].astype(np.int64).tolist(),
+        top_logprobs=top_lps[keep].tolist(),
     )

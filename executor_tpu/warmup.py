@@ -56,8 +56,9 @@ def warmup_runs(plan: BucketPlan) -> list[FabricatedRun]:
     for r in plan.request_buckets:
         t = min(tt for tt, rr in pairs if rr == r)
         for variant in VARIANTS[1:]:
-            label = (
-                f"sampling {variant.kind}{' + penalties' if variant.adjust else ''} x {r} requests"
+            extras = (" + penalties" if variant.adjust else "") + (
+                " + mask" if variant.masked else ""
             )
+            label = f"sampling {variant.kind}{extras} x {r} requests"
             runs.append(FabricatedRun(1, t, r, variant, False, label))
     return runs

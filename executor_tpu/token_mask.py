@@ -1,0 +1,58 @@
+"""Allowed-token masks (structured output) with static shapes.
+
+A constrained request's step carries its allowed tokens as packed bits (common.wire.step_types.
+token_mask_bytes: little-endian uint32 words, bit t % 32 of word t // 32 set when token t may be
+sampled). The runner stacks a masked step's rows into one ``[request bucket, words]`` int32
+array, every bit set for unconstrained and padding rows, and the sampling program unpacks it on
+the device: 4 bytes per 32 tokens travel, not a byte per token.
+
+The masks of a step arrive with its diff (``NewRequestData`` / ``CachedRequestData``), not in
+the shared batch's row state: ``step_masks`` collects them by request id for the step's run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from common.wire.step_types import StepInput, token_mask_bytes
+
+#: Words of an unconstrained row: every bit set.
+ALL_ALLOWED = -1
+
+
+def step_masks(step: StepInput) -> dict[str, bytes]:
+    """The allowed-token masks of a step's requests, by request id (constrained ones only)."""
+    masks = {}
+    for r in [*step.new_requests, *step.cached_requests]:
+        if r.allowed_token_mask is not None:
+            masks[r.request_id] = r.allowed_token_mask
+    return masks
+
+
+def mask_words(masks: list[bytes | None], request_bucket: int, vocab_size: int) -> np.ndarray:
+    """``[request_bucket, words]`` int32 packed words: row i from ``masks[i]`` (a correct
+    length: the step check refuses others), every bit set where it is None and on padding rows."""
+    words = token_mask_bytes(vocab_size) // 4
+    out = np.full((request_bucket, words), ALL_ALLOWED, np.int32)
+    for i, mask in enumerate(masks):
+        if mask is not None:
+            out[i] = np.frombuffer(mask, dtype="<i4", count=words)
+    return out
+
+
+def allowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, vocab_size] bool from packed int32 words [R, W], on the words' device (elementwise
+    shifts: no data-dependent shape)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words[:, :, None] >> shifts) & 1  # arithmetic shift: & 1 keeps only bit `shift`
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size] != 0
+
+
+def apply_mask(
+    logits: torch.Tensor, row_ok: torch.Tensor, words: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Disallowed tokens' logits at -inf; a row whose mask allows no token is not ok (it fails
+    instead of sampling a token the grammar forbids)."""
+    allowed = allowed_tokens(words, logits.shape[1])
+    return logits.masked_fill(~allowed, float("-inf")), row_ok & allowed.any(dim=-1)
