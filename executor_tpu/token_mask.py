@@ -19,6 +19,8 @@ from common.wire.step_types import StepInput, token_mask_bytes
 
 #: Words of an unconstrained row: every bit set.
 ALL_ALLOWED = -1
+#: Each bit of an int32 word as an int32 value, bit 0 first.
+_BITS = [1 << b for b in range(31)] + [-(2**31)]
 
 
 def step_masks(step: StepInput) -> dict[str, bytes]:
@@ -42,10 +44,12 @@ def mask_words(masks: list[bytes | None], request_bucket: int, vocab_size: int) 
 
 
 def allowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, vocab_size] bool from packed int32 words [R, W], on the words' device (elementwise
-    shifts: no data-dependent shape)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    bits = (words[:, :, None] >> shifts) & 1  # arithmetic shift: & 1 keeps only bit `shift`
+    """[R, vocab_size] bool from packed int32 words [R, W], on the words' device (an
+    elementwise AND with each bit: no data-dependent shape)."""
+    # AND with single-bit constants, not shifts: XLA:CPU's right shift of a negative int32 (a
+    # word with bit 31 set) lost its bits here; bit 31 itself is the int32 minimum.
+    bit = torch.tensor(_BITS, dtype=torch.int32, device=words.device)
+    bits = words[:, :, None] & bit
     return bits.reshape(words.shape[0], -1)[:, :vocab_size] != 0
 
 

@@ -14,7 +14,6 @@ from common.wire.step_types import (  # noqa: E402
     NewRequestData,
     SamplingParams,
     StepInput,
-    token_mask_bytes,
 )
 from executor_tpu.sampler import (  # noqa: E402
     VARIANTS,
@@ -24,15 +23,13 @@ from executor_tpu.sampler import (  # noqa: E402
     unpack_logprobs,
 )
 from executor_tpu.token_mask import allowed_tokens, mask_words, step_masks  # noqa: E402
+from tests.executor_tpu import masks  # noqa: E402
 
 V = 300  # above CANDIDATES: "topk" and "sort" differ; not a multiple of 32 (a partial word)
 
 
-def pack(tokens, vocab=V) -> bytes:
-    """The wire's packed bits of an allowed set."""
-    bits = np.zeros(token_mask_bytes(vocab) * 8, np.uint8)
-    bits[list(tokens)] = 1
-    return np.packbits(bits, bitorder="little").tobytes()
+def pack(tokens) -> bytes:
+    return masks.pack(tokens, V)
 
 
 def _logits(rows, seed=0):
@@ -147,3 +144,16 @@ def test_mixed_step_leaves_unmasked_rows_unchanged():
 def test_a_mask_allowing_nothing_fails_the_row():
     out, _ = _run(_logits(2, seed=6), [SamplingParams()] * 2, [pack(set()), None])
     assert out[:, 1].tolist() == [0.0, 1.0]
+
+
+def test_unpacking_on_xla_matches_every_bit():
+    """Words with bit 31 set (negative int32) included: XLA's shifts of those lost bits."""
+    import os
+
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    torch_xla = pytest.importorskip("torch_xla")
+    allowed = [{0, 31, 32, 63, 64, 299}, set(range(0, V, 3)), set(range(32, 64)), set()]
+    words = mask_words([pack(a) for a in allowed], 4, V)
+    got = allowed_tokens(torch.from_numpy(words).to(torch_xla.device()), V).cpu()
+    for row, want in zip(got, allowed):
+        assert set(torch.nonzero(row)[:, 0].tolist()) == want
