@@ -7,6 +7,9 @@ import numpy as np
 
 from common.wire.step_types import StepInput, StepOutput, token_mask_bytes
 
+#: The allowed tokens of spmd_probe's constrained requests, by request id.
+MASKED = {"m0": range(300, 700), "m2": range(30, 60)}
+
 
 def pack(tokens, vocab_size: int) -> bytes:
     """The wire's packed bits (little-endian words, bit t % 32 of word t // 32) of a set."""
