@@ -32,7 +32,6 @@ from common.torch.input_batch import ScheduledRow
 from common.torch.runner import RowResults, TorchModelRunner, prompt_logprob_count
 from common.torch.sampling import seed_key
 from common.wire.config import Capabilities, KVCacheSpec, ModelGeometry
-from common.wire.step_types import StepInput, StepOutput
 from executor_tpu.attention import StaticAttentionMetadata
 from executor_tpu.attention_choice import choose_attention, choose_layout, is_tpu
 from executor_tpu.compile_watch import CompileWatch, persistent_cache_counters
@@ -54,7 +53,6 @@ from executor_tpu.static_batch import (
     pick_bucket,
     plan_buckets,
 )
-from executor_tpu.token_mask import step_masks
 from executor_tpu.tp_model import KV_SPEC, shard_model
 from executor_tpu.warmup import FabricatedRun, warmup_runs
 
@@ -87,7 +85,6 @@ class TPUModelRunner(TorchModelRunner):
         self.compile_watch = CompileWatch()  # compilations during / after warm-up
         self.max_blocks = self._table_width()  # block-table width (fixed per warm-up)
         self._unseeded_draws = 0  # noise keys handed to unseeded rows since reset()
-        self._step_masks: dict[str, bytes] = {}  # the running step's allowed-token masks
 
     # --- shapes ---------------------------------------------------------------------------
 
@@ -169,14 +166,6 @@ class TPUModelRunner(TorchModelRunner):
 
     # --- steps ----------------------------------------------------------------------------
 
-    def execute_model(self, step: StepInput) -> StepOutput:
-        """The shared step, with the step's allowed-token masks at hand for ``run_rows``."""
-        self._step_masks = step_masks(step)
-        try:
-            return super().execute_model(step)
-        finally:
-            self._step_masks = {}
-
     def run_rows(self, rows: list[ScheduledRow]) -> RowResults:
         """Pad the rows to their buckets, run the precompiled programs, unpack the results."""
         plan = self.plan
@@ -214,7 +203,7 @@ class TPUModelRunner(TorchModelRunner):
             self.config.max_logprobs,
             keys,
             variant,
-            [self._step_masks.get(r.state.request_id) if r.samples else None for r in rows],
+            [r.state.allowed_token_mask if r.samples else None for r in rows],
         )
 
     def _execute(

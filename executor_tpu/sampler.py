@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from common.torch.sampling import seed_key
+from common.torch.token_mask import keep_some_token
 from common.wire.step_types import SamplingParams, TokenLogprobs
 from executor_tpu.token_mask import apply_mask, mask_words
 
@@ -189,13 +190,20 @@ def hash_uniform(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _race(logits: torch.Tensor, token_ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Index (into the last axis) drawn from softmax(logits) by the exponential race."""
+    """Index (into the last axis) drawn from softmax(logits) by the exponential race. Tokens of
+    probability 0 (masked, filtered) score -1: a noise draw of exactly 0 (E = inf) scores an
+    allowed token 0 and must not tie with them."""
     probs = logits.softmax(dim=-1)
-    return (probs / -torch.log(hash_uniform(keys, token_ids))).argmax(dim=-1)
+    scores = probs / -torch.log(hash_uniform(keys, token_ids))
+    return torch.where(probs > 0, scores, -1.0).argmax(dim=-1)
 
 
-def adjust_logits(logits: torch.Tensor, d: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Penalties over the token history, then the min-tokens mask."""
+def adjust_logits(
+    logits: torch.Tensor, d: dict[str, torch.Tensor], masked: bool = False
+) -> torch.Tensor:
+    """Penalties over the token history, then the min-tokens mask; with ``masked`` (allowed-
+    token masks applied before) a row the min-tokens mask would leave without any token keeps
+    its stop ids (the grammar allows only a stop: it wins, as on the GPU executor)."""
     rows, vocab = logits.shape
     presence, frequency, repetition = d["s_floats"][3:6]
     history = d["s_history"]  # [R, L], vocab = padding
@@ -210,7 +218,8 @@ def adjust_logits(logits: torch.Tensor, d: dict[str, torch.Tensor]) -> torch.Ten
     rep = repetition[:, None]
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
-    return logits.masked_fill(d["s_suppress"], float("-inf"))
+    suppressed = logits.masked_fill(d["s_suppress"], float("-inf"))
+    return keep_some_token(suppressed, logits) if masked else suppressed
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -264,7 +273,7 @@ def sample(
         logits, row_ok = apply_mask(logits, row_ok, d["s_allowed"])
     raw = logits
     if variant.adjust:
-        logits = adjust_logits(logits, d)
+        logits = adjust_logits(logits, d, variant.masked)
     greedy = logits.argmax(dim=-1)
     if variant.kind == "greedy":
         return torch.stack([greedy.float(), row_ok.float()], dim=1)

@@ -6,8 +6,8 @@ sampled). The runner stacks a masked step's rows into one ``[request bucket, wor
 array, every bit set for unconstrained and padding rows, and the sampling program unpacks it on
 the device: 4 bytes per 32 tokens travel, not a byte per token.
 
-The masks of a step arrive with its diff (``NewRequestData`` / ``CachedRequestData``), not in
-the shared batch's row state: ``step_masks`` collects them by request id for the step's run.
+A request's mask is its row state's ``allowed_token_mask`` (this step's, replaced by every step;
+the executor's step check has refused wrong lengths and masks allowing nothing).
 """
 
 from __future__ import annotations
@@ -15,21 +15,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common.wire.step_types import StepInput, token_mask_bytes
+from common.wire.step_types import token_mask_bytes
 
 #: Words of an unconstrained row: every bit set.
 ALL_ALLOWED = -1
 #: Each bit of an int32 word as an int32 value, bit 0 first.
 _BITS = [1 << b for b in range(31)] + [-(2**31)]
-
-
-def step_masks(step: StepInput) -> dict[str, bytes]:
-    """The allowed-token masks of a step's requests, by request id (constrained ones only)."""
-    masks = {}
-    for r in [*step.new_requests, *step.cached_requests]:
-        if r.allowed_token_mask is not None:
-            masks[r.request_id] = r.allowed_token_mask
-    return masks
 
 
 def mask_words(masks: list[bytes | None], request_bucket: int, vocab_size: int) -> np.ndarray:
@@ -56,7 +47,7 @@ def allowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def apply_mask(
     logits: torch.Tensor, row_ok: torch.Tensor, words: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Disallowed tokens' logits at -inf; a row whose mask allows no token is not ok (it fails
-    instead of sampling a token the grammar forbids)."""
+    """Disallowed tokens' logits at -inf; a row whose mask allows no token (the step check
+    refuses those: a backstop) is not ok, failing instead of sampling a forbidden token."""
     allowed = allowed_tokens(words, logits.shape[1])
     return logits.masked_fill(~allowed, float("-inf")), row_ok & allowed.any(dim=-1)

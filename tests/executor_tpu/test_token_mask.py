@@ -9,12 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from common.wire.step_types import (  # noqa: E402
-    CachedRequestData,
-    NewRequestData,
-    SamplingParams,
-    StepInput,
-)
+from common.wire.step_types import SamplingParams  # noqa: E402
 from executor_tpu.sampler import (  # noqa: E402
     VARIANTS,
     SampleVariant,
@@ -22,7 +17,7 @@ from executor_tpu.sampler import (  # noqa: E402
     sample,
     unpack_logprobs,
 )
-from executor_tpu.token_mask import allowed_tokens, mask_words, step_masks  # noqa: E402
+from executor_tpu.token_mask import allowed_tokens, mask_words  # noqa: E402
 from tests.executor_tpu import masks  # noqa: E402
 
 V = 300  # above CANDIDATES: "topk" and "sort" differ; not a multiple of 32 (a partial word)
@@ -57,22 +52,13 @@ def _run(logits, params, masks, keys=None, tokens=None, variant=None):
     return sample(logits, ok, d, inp.variant, 5), inp
 
 
-def test_packing_round_trip_and_step_masks():
+def test_packing_round_trip():
     allowed = {0, 31, 32, 33, 255, 299}
     words = mask_words([pack(allowed), None], 4, V)
     assert words.shape == (4, (V + 31) // 32) and words.dtype == np.int32
     got = allowed_tokens(torch.from_numpy(words), V)
     assert set(torch.nonzero(got[0])[:, 0].tolist()) == allowed
     assert got[1:].all()  # unconstrained and padding rows allow everything
-    step = StepInput(
-        0,
-        new_requests=[
-            NewRequestData("a", [1], [], SamplingParams(), [1], 0, 1, pack({1})),
-            NewRequestData("b", [1], [], SamplingParams(), [2], 0, 1),
-        ],
-        cached_requests=[CachedRequestData("c", [], 3, 1, pack({2}))],
-    )
-    assert step_masks(step) == {"a": pack({1}), "c": pack({2})}
 
 
 def test_masked_variants_are_warmed_and_chosen():
@@ -157,3 +143,28 @@ def test_unpacking_on_xla_matches_every_bit():
     got = allowed_tokens(torch.from_numpy(words).to(torch_xla.device()), V).cpu()
     for row, want in zip(got, allowed):
         assert set(torch.nonzero(row)[:, 0].tolist()) == want
+
+
+def test_a_grammar_allowing_only_a_stop_wins_over_min_tokens():
+    params = [
+        SamplingParams(min_tokens=5, stop_token_ids=[9]),
+        SamplingParams(min_tokens=5, stop_token_ids=[9]),
+    ]
+    out, inp = _run(_logits(2, seed=7), params, [pack({9}), pack({9, 10})])
+    assert inp.variant.adjust and inp.variant.masked
+    assert out[:, 0].long().tolist() == [9, 10] and out[:, 1].all()
+
+
+def test_a_zero_noise_draw_never_picks_a_masked_token():
+    """One allowed token of probability 1 whose noise draw is exactly 0 (E = inf): it still
+    wins over the masked tokens (all of probability 0) in the full-vocabulary race."""
+    from executor_tpu import sampler
+
+    logits = _logits(1, seed=8)
+    real = sampler.hash_uniform
+    try:
+        sampler.hash_uniform = lambda keys, ids: torch.where(ids == 77, 0.0, real(keys, ids))
+        out, inp = _run(logits, [SamplingParams(temperature=1.0)], [pack({77})])
+    finally:
+        sampler.hash_uniform = real
+    assert inp.variant.kind == "topk" and int(out[0, 0]) == 77
