@@ -168,3 +168,48 @@ def test_a_zero_noise_draw_never_picks_a_masked_token():
     finally:
         sampler.hash_uniform = real
     assert inp.variant.kind == "topk" and int(out[0, 0]) == 77
+
+
+def test_masked_sampling_compiles_once_per_request_bucket_on_xla():
+    """Any masks (none, some rows, every row, other tokens) and parameters in two request
+    buckets run on the programs their first step compiled (the model-level test covers the
+    token buckets, with one request bucket)."""
+    import os
+
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    torch_xla = pytest.importorskip("torch_xla")
+    import torch_xla.core.xla_model as xm
+
+    from executor_tpu.compile_watch import CompileStats
+
+    device = torch_xla.device()
+    greedy, top_k = SamplingParams(logprobs=2), SamplingParams(temperature=1.0, top_k=9, seed=1)
+
+    def step(bucket, params, masks, variant):
+        inp = build_sampling_inputs(
+            params, [[1, 2]] * len(params), [2] * len(params), bucket, V, 16, 5,
+            list(range(len(params))), variant, masks,
+        )  # fmt: skip
+        arrays = inp.arrays()
+        moved = xm.send_cpu_data_to_device([torch.from_numpy(a) for a in arrays.values()], device)
+        logits = torch.from_numpy(_logits(bucket).numpy()).to(device)
+        ok = torch.ones(bucket, dtype=torch.bool, device=device)
+        out = sample(logits, ok, dict(zip(arrays, moved)), inp.variant, 5)
+        torch_xla.sync()
+        return out.cpu(), inp.variant
+
+    kinds = [SampleVariant("greedy", False), SampleVariant("topk", False, True)]
+    for bucket in (2, 4):  # warm: one step per (bucket, variant)
+        for v in kinds:
+            step(bucket, [greedy], [pack({1})] if v.masked else None, v)
+    baseline = CompileStats.now().count
+    for bucket in (2, 4):
+        out, v = step(bucket, [greedy, top_k], [pack({5, 6}), None], None)
+        assert v == kinds[1] and int(out[0, 0]) in {5, 6}
+        out, v = step(bucket, [top_k, top_k], [pack({7}), pack(range(100, 300))], None)
+        assert int(out[0, 0]) == 7 and 100 <= int(out[1, 0]) < 300
+        out, v = step(bucket, [greedy, greedy], [None, None], kinds[1])  # masked, none given
+        assert torch.isfinite(out[:2, 2]).all()
+        out, v = step(bucket, [SamplingParams()] * 2, None, None)
+        assert v == kinds[0]
+    assert CompileStats.now().count == baseline
