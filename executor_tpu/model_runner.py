@@ -5,7 +5,8 @@ A step (after the shared diff handling) runs as three precompiled XLA programs:
 1. forward — the step padded to a (token bucket, request bucket) pair (see static_batch):
    embeddings, layers with static paged attention and KV writes, final norm, logits of each
    row's last token, and per-row finiteness;
-2. sampling — one of the variants of executor_tpu.sampler for the request bucket;
+2. sampling — one of the variants of executor_tpu.sampler for the request bucket (a masked one
+   when a row carries an allowed-token mask: see executor_tpu.token_mask);
 3. prompt logprobs — only on steps that ask for them, for the token bucket.
 
 Inputs are built on the host and moved in one batch; the packed results come back in one copy
@@ -202,6 +203,7 @@ class TPUModelRunner(TorchModelRunner):
             self.config.max_logprobs,
             keys,
             variant,
+            [r.state.allowed_token_mask if r.samples else None for r in rows],
         )
 
     def _execute(

@@ -12,7 +12,9 @@ What makes it static:
   (argmax only, no logprobs), ``topk`` (candidates from a top-``CANDIDATES`` selection; rows
   without top-k or top-p race over the whole vocabulary) or ``sort`` (a full sort, for rows with
   top-p but no top-k, or a top-k above ``CANDIDATES``); each with or without ``adjust``
-  (penalties and min-tokens masking, whose inputs are only sent when a row needs them);
+  (penalties and min-tokens masking, whose inputs are only sent when a row needs them), and
+  each with or without ``masked`` (structured output: a row's allowed-token mask, see
+  executor_tpu.token_mask, sets disallowed logits to -inf before logprobs and sampling);
 - penalties read a fixed-width token history [R, max_model_len] (padded with the vocabulary
   size, scattered into [R, V] counts); the stop ids to mask are a dense [R, V] mask;
 - the exponential noise is a counter-based hash of (row key, token id) computed on the device:
@@ -21,6 +23,16 @@ What makes it static:
   after preemption draws the same tokens); unseeded rows take keys from a per-executor counter.
   The noise differs from the GPU executor's generator, so seeded samples agree within an
   executor kind, not across kinds.
+
+Masks are separate variants, not applied to every step: measured on XLA:CPU (the default model,
+step budget 64, request bucket 8), the six masked variants add ~10 s to a 46 s warm-up (~1.6 s
+of compilation each, per request bucket); applying an all-ones mask to every unconstrained step
+instead costs its ``greedy`` sampling program x1.5..x4.4 (+0.7..+30 ms) and its ``topk`` one
+0..+35 % at vocabularies of 49k and 152k and request buckets of 8 and 64. Unconstrained steps
+pay nothing this way; a step with at least one masked row runs the masked program, its other
+rows' words all ones. Logprobs of a masked row are of the constrained distribution (the raw
+logits with the mask applied, before penalties and temperature, as vLLM's structured output
+reports them): a disallowed token is never among the top logprobs.
 """
 
 from __future__ import annotations
@@ -31,7 +43,9 @@ import numpy as np
 import torch
 
 from common.torch.sampling import seed_key
+from common.torch.token_mask import keep_some_token
 from common.wire.step_types import SamplingParams, TokenLogprobs
+from executor_tpu.token_mask import apply_mask, mask_words
 
 #: Candidates of the ``topk`` variant.
 CANDIDATES = 256
@@ -47,30 +61,35 @@ class SampleVariant:
 
     kind: str  # "greedy", "topk" or "sort"
     adjust: bool  # penalties / min-tokens masking present
+    masked: bool = False  # a row has an allowed-token mask (structured output)
 
 
 #: Every variant, in warm-up order.
 VARIANTS = [
-    SampleVariant(kind, adjust) for kind in ("greedy", "topk", "sort") for adjust in (False, True)
+    SampleVariant(kind, adjust, masked)
+    for masked in (False, True)
+    for kind in ("greedy", "topk", "sort")
+    for adjust in (False, True)
 ]
 
 
 def choose_variant(
-    params: list[SamplingParams], vocab_size: int, num_outputs: list[int]
+    params: list[SamplingParams], vocab_size: int, num_outputs: list[int], masked: bool = False
 ) -> SampleVariant:
-    """The cheapest variant that samples ``params`` exactly."""
+    """The cheapest variant that samples ``params`` exactly (``masked``: some row has an
+    allowed-token mask)."""
     adjust = any(
         p.has_penalties or (n < p.min_tokens and p.stop_token_ids)
         for p, n in zip(params, num_outputs)
     )
     random = [p for p in params if not p.greedy]
     if not random and all(p.logprobs is None for p in params):
-        return SampleVariant("greedy", adjust)
+        return SampleVariant("greedy", adjust, masked)
     for p in random:
         k = p.top_k if 0 < p.top_k < vocab_size else 0
         if k > CANDIDATES or (k == 0 and p.top_p < 1.0):
-            return SampleVariant("sort", adjust)
-    return SampleVariant("topk", adjust)
+            return SampleVariant("sort", adjust, masked)
+    return SampleVariant("topk", adjust, masked)
 
 
 @dataclass
@@ -85,6 +104,7 @@ class SamplingInputs:
     output_start: np.ndarray | None  # [R] int64 index of the first generated token in history
     suppress: np.ndarray | None  # [R, V] bool stop ids masked before min_tokens, adjust only
     num_logprobs: list[int | None]  # per real row: top logprobs asked for (None = none)
+    allowed: np.ndarray | None = None  # [R, words] int32 packed allowed tokens, masked only
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The arrays to move to the device, by name."""
@@ -93,6 +113,8 @@ class SamplingInputs:
             out.update(
                 s_history=self.history, s_output_start=self.output_start, s_suppress=self.suppress
             )
+        if self.variant.masked:
+            out["s_allowed"] = self.allowed
         return out
 
 
@@ -106,12 +128,16 @@ def build_sampling_inputs(
     max_logprobs: int,
     unseeded_keys: list[int],
     variant: SampleVariant | None = None,
+    masks: list[bytes | None] | None = None,
 ) -> SamplingInputs:
     """Host arrays for the rows' parameters; row i samples the token at ``len(token_ids[i])``.
-    ``unseeded_keys`` gives the noise key of each row without a seed (one per row)."""
+    ``unseeded_keys`` gives the noise key of each row without a seed (one per row);
+    ``masks`` each row's allowed-token mask (None = any token; see executor_tpu.token_mask)."""
     n = len(params)
+    masks = masks or [None] * n
     outputs = [len(t) - p for t, p in zip(token_ids, num_prompt)]
-    variant = variant or choose_variant(params, vocab_size, outputs)
+    masked = any(m is not None for m in masks)
+    variant = variant or choose_variant(params, vocab_size, outputs, masked)
     floats = np.zeros((6, request_bucket), np.float32)
     floats[1], floats[5] = 1.0, 1.0  # top_p and repetition off for padding rows
     ints = np.zeros((2, request_bucket), np.int64)
@@ -140,7 +166,10 @@ def build_sampling_inputs(
                 stops = [t for t in p.stop_token_ids if 0 <= t < vocab_size]
                 suppress[i, stops] = True
     num_lp = [None if p.logprobs is None else min(p.logprobs, max_logprobs) for p in params]
-    return SamplingInputs(variant, floats, ints, history, output_start, suppress, num_lp[:n])
+    allowed = mask_words(masks, request_bucket, vocab_size) if variant.masked else None
+    return SamplingInputs(
+        variant, floats, ints, history, output_start, suppress, num_lp[:n], allowed
+    )
 
 
 # --- device side ------------------------------------------------------------------------------
@@ -161,13 +190,20 @@ def hash_uniform(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _race(logits: torch.Tensor, token_ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Index (into the last axis) drawn from softmax(logits) by the exponential race."""
+    """Index (into the last axis) drawn from softmax(logits) by the exponential race. Tokens of
+    probability 0 (masked, filtered) score -1: a noise draw of exactly 0 (E = inf) scores an
+    allowed token 0 and must not tie with them."""
     probs = logits.softmax(dim=-1)
-    return (probs / -torch.log(hash_uniform(keys, token_ids))).argmax(dim=-1)
+    scores = probs / -torch.log(hash_uniform(keys, token_ids))
+    return torch.where(probs > 0, scores, -1.0).argmax(dim=-1)
 
 
-def adjust_logits(logits: torch.Tensor, d: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Penalties over the token history, then the min-tokens mask."""
+def adjust_logits(
+    logits: torch.Tensor, d: dict[str, torch.Tensor], masked: bool = False
+) -> torch.Tensor:
+    """Penalties over the token history, then the min-tokens mask; with ``masked`` (allowed-
+    token masks applied before) a row the min-tokens mask would leave without any token keeps
+    its stop ids (the grammar allows only a stop: it wins, as on the GPU executor)."""
     rows, vocab = logits.shape
     presence, frequency, repetition = d["s_floats"][3:6]
     history = d["s_history"]  # [R, L], vocab = padding
@@ -182,7 +218,8 @@ def adjust_logits(logits: torch.Tensor, d: dict[str, torch.Tensor]) -> torch.Ten
     rep = repetition[:, None]
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
-    return logits.masked_fill(d["s_suppress"], float("-inf"))
+    suppressed = logits.masked_fill(d["s_suppress"], float("-inf"))
+    return keep_some_token(suppressed, logits) if masked else suppressed
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -230,10 +267,13 @@ def sample(
 ) -> torch.Tensor:
     """Sample a row of ``logits`` [R, V]; returns [R, 2] (token, row ok) for ``greedy``, else
     [R, 4 + 2 * num_logprobs] (token, row ok, then ``token_logprobs``). Token ids travel as
-    float32, exact below 2**24."""
+    float32, exact below 2**24. A ``masked`` variant first sets disallowed tokens to -inf:
+    sampling and logprobs are of the constrained distribution."""
+    if variant.masked:
+        logits, row_ok = apply_mask(logits, row_ok, d["s_allowed"])
     raw = logits
     if variant.adjust:
-        logits = adjust_logits(logits, d)
+        logits = adjust_logits(logits, d, variant.masked)
     greedy = logits.argmax(dim=-1)
     if variant.kind == "greedy":
         return torch.stack([greedy.float(), row_ok.float()], dim=1)
@@ -259,13 +299,14 @@ def sample(
 
 def unpack_logprobs(row: np.ndarray, token: int, k: int) -> TokenLogprobs:
     """TokenLogprobs from a ``token_logprobs`` row, trimmed to k alternatives."""
-    top_ids = row[2 : 2 + k].astype(np.int64).tolist()
     width = (len(row) - 2) // 2
-    top_lps = row[2 + width : 2 + width + k].tolist()
+    top_lps = row[2 + width : 2 + width + k]
+    # A masked row allowing fewer than k tokens has disallowed ones (at -inf) among its top k.
+    keep = np.isfinite(top_lps)
     return TokenLogprobs(
         token_id=token,
         logprob=float(row[0]),
         rank=int(row[1]),
-        top_token_ids=top_ids,
-        top_logprobs=top_lps,
+        top_token_ids=row[2 : 2 + k][keep].astype(np.int64).tolist(),
+        top_logprobs=top_lps[keep].tolist(),
     )

@@ -4,7 +4,8 @@ One run per (token bucket, request bucket) pair compiles the forward program (th
 each token bucket also asks for prompt logprobs, compiling that program for the bucket); then,
 per request bucket, one run per further sampling variant (at that bucket's smallest token
 bucket, whose forward is compiled by then). Each run is a single fabricated row over the null
-blocks, with sampling parameters that select its variant.
+blocks, with sampling parameters that select its variant; a masked variant's row has every
+token allowed (its mask words all ones).
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def warmup_runs(plan: BucketPlan) -> list[FabricatedRun]:
     for r in plan.request_buckets:
         t = min(tt for tt, rr in pairs if rr == r)
         for variant in VARIANTS[1:]:
-            label = (
-                f"sampling {variant.kind}{' + penalties' if variant.adjust else ''} x {r} requests"
+            extras = (" + penalties" if variant.adjust else "") + (
+                " + mask" if variant.masked else ""
             )
+            label = f"sampling {variant.kind}{extras} x {r} requests"
             runs.append(FabricatedRun(1, t, r, variant, False, label))
     return runs

@@ -3,15 +3,22 @@
 The controller is unchanged: it reads the TPU executor's capabilities (token buckets 16/32/64,
 request bucket 8, chunked prefill or not) and sizes steps to fit. Greedy outputs must be
 token-identical to the GPU executor's and to transformers under chunked prefill, preemption and
-prefix-cache hits, and the executor must compile nothing after warm-up (its Prometheus metric,
-fed by torch_xla's compile counter).
+prefix-cache hits; structured output (the controller's grammars, the executor's allowed-token
+masks) must hold its constraints; and the executor must compile nothing after warm-up (its
+Prometheus metric, fed by torch_xla's compile counter).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import re
+
 import httpx
+import jsonschema
 import pytest
 
+from executor_tpu.sampler import VARIANTS
 from tests.e2e.helpers import (
     CHATS,
     LONG_PROMPT,
@@ -20,6 +27,7 @@ from tests.e2e.helpers import (
     long_prompts_at_once,
     metric_sum,
 )
+from tests.e2e.test_structured_outputs import ASK, SCHEMAS
 from tests.support.processes import free_port, start_server
 
 #: A small budget and few KV blocks: long prompts are chunked, requests preempted.
@@ -124,8 +132,52 @@ def test_tpu_chat_streaming_and_sampling(tpu_server):
     assert_no_blocks_in_use(tpu_server)
 
 
+def test_tpu_structured_outputs_hold(tpu_server):
+    """A JSON schema greedy and sampled (seeded, twice), a regex and a choice with logprobs,
+    sent at once: masked and unmasked rows share steps on the masked programs."""
+    schema = SCHEMAS["enum_and_bounds"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
+    chat = dict(model=tpu_server.model_name, messages=ASK, max_tokens=100, response_format=fmt)
+    pattern = r"[0-9]{3}-[0-9]{4}"
+
+    async def run():
+        async with tpu_server.async_client() as client:
+            return await asyncio.gather(
+                client.chat.completions.create(**chat, temperature=0),
+                client.chat.completions.create(**chat, temperature=1.0, top_p=0.9, seed=3),
+                client.chat.completions.create(**chat, temperature=1.0, top_p=0.9, seed=3),
+                client.completions.create(
+                    model=tpu_server.model_name,
+                    prompt="Answer: ",
+                    max_tokens=30,
+                    temperature=0,
+                    extra_body={"structured_outputs": {"regex": pattern}},
+                ),
+                client.chat.completions.create(
+                    model=tpu_server.model_name,
+                    messages=CHATS[0],
+                    max_tokens=10,
+                    temperature=0,
+                    logprobs=True,
+                    top_logprobs=5,
+                    extra_body={"structured_outputs": {"choice": ["Paris", "London"]}},
+                ),
+            )
+
+    greedy, sampled, again, regex, choice = asyncio.run(run())
+    for r in (greedy, sampled):
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    assert sampled.choices[0].message.content == again.choices[0].message.content
+    assert re.fullmatch(pattern, regex.choices[0].text), regex.choices[0].text
+    assert choice.choices[0].message.content in ("Paris", "London")
+    first = choice.choices[0].logprobs.content[0]
+    assert all(any(c.startswith(t.token) for c in ("Paris", "London")) for t in first.top_logprobs)
+    assert_no_blocks_in_use(tpu_server)
+
+
 def test_tpu_compiled_nothing_after_warmup(tpu_server):
     """Runs after the serving tests above: torch_xla's compile counter, as exported."""
     text = httpx.get(tpu_server.metrics_url, timeout=10).text
-    assert metric_sum(text, "tandem:xla_warmup_compilations") == 3 + 3 + 6
+    assert metric_sum(text, "tandem:xla_warmup_compilations") == 3 + 3 + len(VARIANTS)
     assert metric_sum(text, "tandem:xla_compilations_after_warmup") == 0

@@ -1,7 +1,8 @@
 """Run the TPU worker on XLA:CPU, sharded over ``--tp`` virtual devices (or not, with 1), and
 write what the SPMD tests check as JSON: every weight's and KV tensor's sharding, the layout,
 the warm-up's and later compilations, the last-token logits of a prompt, greedy outputs under
-chunked prefill with batched decodes, and a prefix hit.
+chunked prefill with batched decodes, and a prefix hit, and greedy outputs within allowed-token
+masks (structured output: sampling runs on the logits gathered over the vocabulary shards).
 
 SPMD is process-wide in torch_xla (``use_spmd`` before any tensor), so each size runs in its
 own process: ``python -m tests.executor_tpu.spmd_probe --tp 2 IN.json OUT.json``. IN holds
@@ -26,6 +27,7 @@ from common.wire.step_types import SamplingParams  # noqa: E402
 from executor_tpu.options import TPUOptions  # noqa: E402
 from executor_tpu.static_batch import build_static_step, pick_bucket  # noqa: E402
 from executor_tpu.worker import TPUWorker  # noqa: E402
+from tests.executor_tpu.masks import MASKED, MaskingRunner, pack  # noqa: E402
 from tests.support.mini_controller import BLOCK, MODEL_DIR, MiniController  # noqa: E402
 
 
@@ -128,6 +130,18 @@ def _greedy(worker: TPUWorker, prompts: list[list[int]]) -> dict[str, list[int]]
     return {**{r.rid: r.output for r in reqs}, "hit": hit.output}
 
 
+def _masked(worker: TPUWorker, prompts: list[list[int]]) -> dict[str, list[int]]:
+    """Constrained greedy rows next to an unconstrained one, in 12-token steps."""
+    runner = worker.model_runner
+    runner.reset()
+    vocab = runner.geometry.vocab_size
+    masks = {rid: pack(tokens, vocab) for rid, tokens in MASKED.items()}
+    ctl = MiniController(MaskingRunner(runner, masks), budget=12)
+    reqs = [ctl.add(f"m{i}", p, max_tokens=6) for i, p in enumerate(prompts)]
+    ctl.run()
+    return {r.rid: r.output for r in reqs}
+
+
 def main() -> None:
     """Probe one size; write the JSON report."""
     parser = argparse.ArgumentParser()
@@ -155,6 +169,7 @@ def main() -> None:
         "warmup_seconds": worker.warmup[0],
         "shardings": _shardings(worker),
         "greedy": _greedy(worker, prompts),
+        "masked": _masked(worker, prompts),
         "compiled_after_warmup": runner.compile_watch.after_warmup,
         # Last: fetching the vocabulary-split logits (never done while serving) compiles a
         # program that gathers them.

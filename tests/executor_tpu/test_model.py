@@ -32,6 +32,7 @@ from executor_tpu.options import TPUOptions  # noqa: E402
 from executor_tpu.sampler import VARIANTS  # noqa: E402
 from executor_tpu.static_batch import build_static_step, pick_bucket  # noqa: E402
 from executor_tpu.worker import TPUWorker  # noqa: E402
+from tests.executor_tpu.masks import MaskingRunner, pack  # noqa: E402
 from tests.support.mini_controller import (  # noqa: E402
     MODEL_DIR,
     MiniController,
@@ -298,6 +299,41 @@ def test_request_errors_stay_isolated(tpu, prompts):
     by_id = {o.request_id: o for o in out.outputs}
     assert by_id["ok"].sampled_token_id is not None and not by_id["ok"].error
     assert "blocks" in by_id["short"].error and by_id["badtok"].error
+
+
+def _hf_masked_greedy(hf, ids, allowed, n):
+    """Greedy continuation of n tokens, each the best of ``allowed`` under transformers."""
+    ids, allowed, out = list(ids), sorted(allowed), []
+    for _ in range(n):
+        last = _hf_logits(hf, ids)[-1]
+        out.append(allowed[int(last[allowed].argmax())])
+        ids.append(out[-1])
+    return out
+
+
+def test_masked_steps_run_precompiled(tpu, hf, prompts):
+    """Structured output: greedy (with logprobs) and seeded top-p rows within their masks in
+    the same steps as unconstrained greedy and top-k rows, over token buckets 64, 32 and 16
+    (chunked prefill, then decodes); the masked programs were compiled at warm-up."""
+    tpu.reset()
+    vocab = tpu.model_runner.geometry.vocab_size
+    json_ids, digits = set(range(300, 700)), set(range(30, 60))
+    runner = MaskingRunner(tpu, {"json": pack(json_ids, vocab), "seeded": pack(digits, vocab)})
+    ctl = MiniController(runner, budget=64)
+    constrained = ctl.add("json", prompts[0], SamplingParams(logprobs=3), max_tokens=4)
+    free = ctl.add("free", prompts[1], SamplingParams(), max_tokens=4)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=5)
+    drawn = ctl.add("seeded", prompts[2], seeded, max_tokens=6)
+    ctl.add("topk", prompts[0][:20], SamplingParams(temperature=1.0, top_k=20), max_tokens=3)
+    ctl.run()
+    assert constrained.output == _hf_masked_greedy(hf, prompts[0], json_ids, 4)
+    assert free.output == _hf_generate(hf, prompts[1], 4)
+    assert set(drawn.output) <= digits
+    first = constrained.logprobs[0]
+    want = _hf_logits(hf, prompts[0])[-1][sorted(json_ids)].log_softmax(-1)
+    assert set(first.top_token_ids) <= json_ids and len(first.top_token_ids) == 3
+    assert first.rank == 1 and abs(first.logprob - want.max().item()) < LOGIT_TOL
+    assert tpu.model_runner.compile_watch.after_warmup == 0
 
 
 def test_no_compilation_after_warmup(tpu):

@@ -24,6 +24,8 @@ import sys
 
 import pytest
 
+from executor_tpu.sampler import VARIANTS
+from tests.executor_tpu.masks import MASKED
 from tests.support.mini_controller import MODEL_DIR, needs_model
 from tests.support.tiny_models import hf_greedy
 
@@ -97,8 +99,8 @@ def test_weights_and_kv_cache_sharded(runs):
 def test_nothing_compiled_after_warmup(runs):
     for r in (runs[1], runs[2]):
         assert r["compiled_after_warmup"] == 0
-    # Forward and prompt logprobs per token bucket (2 each), six sampling variants.
-    assert runs[2]["warmup_compiled"] == runs[1]["warmup_compiled"] == 2 + 2 + 6
+    # Forward and prompt logprobs per token bucket (2 each), every sampling variant.
+    assert runs[2]["warmup_compiled"] == runs[1]["warmup_compiled"] == 2 + 2 + len(VARIANTS)
 
 
 def test_kernel_path_per_device(runs):
@@ -114,6 +116,14 @@ def test_kernel_path_per_device(runs):
     assert ragged["greedy"] == runs[1]["greedy"]
     diff = max(abs(x - y) for x, y in zip(ragged["logits"], runs[1]["logits"]))
     assert diff < LOGIT_TOL
+
+
+def test_masked_greedy_identical_to_unsharded(runs):
+    """Allowed-token masks apply to the logits gathered over the vocabulary shards."""
+    assert runs[2]["masked"] == runs[1]["masked"]
+    for rid, tokens in MASKED.items():
+        assert set(runs[2]["masked"][rid]) <= set(tokens)
+    assert runs[2]["masked"]["m1"] == runs[2]["greedy"]["g1"][:6]  # unconstrained: unchanged
 
 
 def test_logits_match_unsharded(runs):
