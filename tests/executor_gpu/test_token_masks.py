@@ -22,6 +22,7 @@ from common.wire.step_types import (  # noqa: E402
     StepInput,
 )
 from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
+from tests.executor_gpu.cuda.test_decode_graphs import count_replays  # noqa: E402
 from tests.support.mini_controller import BLOCK  # noqa: E402
 from tests.support.tiny_models import VOCAB, random_prompts, save_tiny_checkpoint  # noqa: E402
 from tests.support.token_masks import pack_mask  # noqa: E402
@@ -49,15 +50,7 @@ def _best_allowed(hf, tokens: list[int], allowed: list[int]) -> int:
 
 def test_masked_greedy_through_chunks_mixed_steps_and_decode_replay(tiny):
     runner, hf = tiny
-    replays = []
-    run = runner.graphs.run
-
-    def counting_run(*args):
-        out = run(*args)
-        replays.append(out is not None)
-        return out
-
-    runner.graphs.run = counting_run
+    replays = count_replays(runner)
     rng = random.Random(5)
     a, b, c = random_prompts(11, [30, 8, 8])
     seqs = {"a": list(a), "b": list(b), "c": list(c)}

@@ -21,6 +21,21 @@ from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
 from tests.support.mini_controller import BLOCK, MiniController  # noqa: E402
 
 
+def count_replays(runner) -> list[bool]:
+    """Record, per step from now on, whether the runner replayed a decode graph (the list
+    grows as steps run)."""
+    replays: list[bool] = []
+    run = runner.graphs.run
+
+    def counting_run(*args):
+        out = run(*args)
+        replays.append(out is not None)
+        return out
+
+    runner.graphs.run = counting_run
+    return replays
+
+
 def test_capture_sizes():
     assert capture_sizes(1) == [1]
     assert capture_sizes(6) == [1, 2, 4, 6]
@@ -119,15 +134,7 @@ def test_padded_decode_path_matches_hf_generate(tiny_checkpoint):
     runner.load_model()
     runner.initialize_kv_cache(64)
     runner.enable_decode_graphs(capture=False)
-    replays = []
-    run = runner.graphs.run
-
-    def counting_run(*args):
-        out = run(*args)
-        replays.append(out is not None)
-        return out
-
-    runner.graphs.run = counting_run
+    replays = count_replays(runner)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 19, 33)]
     ctl = MiniController(runner, budget=64)
