@@ -71,9 +71,15 @@ class InProcessExecutor:
         self.scheduled = 0  # requests scheduled in the steps run
         self.steps = 0  # steps run
         self.address = "in-process"  # for task names
+        self.owner_id = ""  # an ownerless session: no lease to renew or release
+        self.generation = 0  # the session generation (fencing): none here
+        self.granted_seconds = 0.0  # no lease
 
     async def check_health(self, timeout: float) -> str:
         return "SERVING"
+
+    async def release_session(self, timeout: float) -> bool:
+        return False  # nothing to release: ownerless
 
     async def identify(self, timeout: float) -> str:
         return self.worker.incarnation_id
