@@ -89,8 +89,8 @@ class Handover:
         if self.assigned_to and self.state is SessionState.DRAINING and not self.leaving:
             self.handover_expired = True
             self.health.declare_lost(
-                f"handed over to {self.assigned_to}: {len(self.tracked)} requests still ran "
-                f"after the {self.config.handover_drain_timeout:g}s drain; they move"
+                f"the {self.config.handover_drain_timeout:g}s drain ran out with "
+                f"{len(self.tracked)} requests here (the executor goes to {self.assigned_to})"
             )
 
     async def _pause(self, seconds: float) -> None:

@@ -167,9 +167,10 @@ def failed_over(server) -> float:
 
 
 def test_a_hand_over_past_its_drain_moves_the_running_requests(default_model_dir, tmp_path):
-    """Requests still running on an executor handed over when the drain runs out move to the
-    controller's other executor by the failover path: none fails, and the executor does not
-    count as lost."""
+    """A controller comes back (SIGSTOP past the lease, then SIGCONT) while the other drives its
+    executor with requests running: the executor is handed back, and the requests still
+    running when the drain runs out move to the other executor by the failover path. None
+    fails, and the executor does not count as lost."""
     tmp = str(tmp_path)
     slow = ["--step-fixed-ms", "20", "--step-per-token-us", "5"]  # 150 tokens: about 3 s
     sims = [
@@ -182,9 +183,14 @@ def test_a_hand_over_past_its_drain_moves_the_running_requests(default_model_dir
     args = [*SPLIT, *executor_args, *peers, "--handover-drain-timeout", "0.5"]
     servers = []
     try:
-        a = spawn_controller(default_model_dir, tmp, args, "a", port=ports[0])
-        servers.append(a)
-        wait_until(lambda: len(owned(a)) == 2, 120, "a to drive both executors", logs=tmp)
+        servers = [
+            spawn_controller(default_model_dir, tmp, args, name, port=port)
+            for name, port in zip("ab", ports)
+        ]
+        a, b = servers
+        wait_until(lambda: split_of([a, b], 1, 2), 120, "a 1/1 split", logs=tmp)
+        b.controller.send_signal(signal.SIGSTOP)
+        wait_until(lambda: len(owned(a)) == 2, 60, "a to take b's executor", logs=tmp)
         results: list[tuple[int, dict]] = []
 
         def run(i: int) -> None:
@@ -195,9 +201,8 @@ def test_a_hand_over_past_its_drain_moves_the_running_requests(default_model_dir
         for t in threads:
             t.start()
         wait_until(lambda: all(e["running"] for e in a.executors_state()), 30, "requests on both")
-        b = spawn_controller(default_model_dir, tmp, args, "b", port=ports[1])
-        servers.append(b)
-        wait_until(lambda: split_of([a, b], 1, 2), 120, "a 1/1 split", logs=tmp)
+        b.controller.send_signal(signal.SIGCONT)  # b is back: its executor goes back to it
+        wait_until(lambda: split_of([a, b], 1, 2), 60, "a 1/1 split again", logs=tmp)
         for t in threads:
             t.join(timeout=120)
         assert len(results) == 4
@@ -209,6 +214,8 @@ def test_a_hand_over_past_its_drain_moves_the_running_requests(default_model_dir
         assert all(e["used_blocks"] == 0 for e in state), state
     finally:
         for server in servers:
+            if server.controller.poll() is None:
+                server.controller.send_signal(signal.SIGCONT)
             server.stop()
         for proc, _ in sims:
             proc.send_signal(signal.SIGTERM)
