@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from typing import Literal
 
 from pydantic import field_validator, model_validator
@@ -24,6 +25,7 @@ AUTH = "authentication of API clients"
 ADMIN = "admin: who may read /admin/* (executor addresses and details)"
 HTTP = "HTTP server: connection limits and read timeouts"
 TLS = "TLS: HTTPS for clients, TLS/mTLS and a token to executors"
+PEERS = "peers: other controllers, dividing the executors between the live ones"
 _LIMIT_SPEC = re.compile(r"[^=,]+=\d+(,\d+)?")
 
 
@@ -197,6 +199,51 @@ class ControllerConfig(ModelSourceSettings):
         group=FLEET,
         gt=0,
     )
+    # Peers: the other controllers of the fleet; the live ones divide the executors between
+    # them (controller/fleet/division.py). None configured: this controller drives them all.
+    peers: list[str] = setting(
+        [],
+        "another controller's HTTP address, probed at GET /peer (repeatable; this "
+        "controller's own address may be listed too)",
+        aliases=("peer",),
+        group=PEERS,
+        metavar="HOST:PORT",
+    )
+    peer_dns: list[str] = setting(
+        [],
+        "DNS name whose every A/AAAA record is a controller (a headless Service that "
+        "publishes not-ready addresses); re-resolved (repeatable)",
+        group=PEERS,
+        metavar="NAME:PORT",
+    )
+    peer_files: list[str] = setting(
+        [],
+        "file of controllers' host:port lines, re-read (repeatable)",
+        aliases=("peer_file",),
+        group=PEERS,
+        metavar="PATH",
+    )
+    advertise_address: str = setting(
+        "",
+        "this controller's name in the division of executors, as its peers learn it from "
+        "/peer; '' = --host:--port (the host name when --host is a wildcard)",
+        group=PEERS,
+        metavar="HOST:PORT",
+    )
+    peer_probe_interval: float = setting(
+        1.0,
+        "seconds between probes of each peer; a peer is live while it answered within the "
+        "last 3 probe periods",
+        group=PEERS,
+        gt=0,
+    )
+    handover_drain_timeout: float = setting(
+        30.0,
+        "seconds an executor that the division gave another controller may finish its "
+        "requests before the rest move (failover) and it is released",
+        group=PEERS,
+        ge=0,
+    )
     no_executor_timeout: float = setting(
         120.0, "seconds a request waits for a healthy executor before a 503", group=FLEET
     )
@@ -369,11 +416,17 @@ class ControllerConfig(ModelSourceSettings):
         return self
 
     def finalize(self) -> None:
-        """The served name, the default executor, the API and admin keys and the executor token."""
+        """The served name, the default executor, the advertised address, the API and admin
+        keys and the executor token."""
         if not self.served_model_name:
             self.served_model_name = default_served_name(self.model)
         if not (self.executors or self.executor_dns or self.executor_files):
             self.executors = [DEFAULT_EXECUTOR]
+        if not self.advertise_address:
+            host = socket.gethostname() if self.host in ("", "0.0.0.0", "::") else self.host
+            self.advertise_address = (
+                f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+            )
         try:
             self.api_keys = load_api_keys(self.api_keys, self.api_key_files)
         except OSError as e:

@@ -23,6 +23,9 @@ import ipaddress
 from controller.api.errors import APIError, error_response
 
 DEFAULT_EXEMPT_PATHS = ("/health", "/metrics")
+# Served without a key whatever --auth-exempt-path says: the other controllers' liveness probe
+# (controller/fleet/peers.py), which carries no key and reveals no executor address.
+ALWAYS_EXEMPT_PATHS = ("/peer",)
 ADMIN_PREFIX = "/admin/"  # the admin routes
 # Request headers a proxy adds: a request carrying one did not come from this host itself,
 # whatever its peer address says.
@@ -118,7 +121,7 @@ class APIKeyAuth:
     def __init__(self, app, keys: list[str], exempt_paths=DEFAULT_EXEMPT_PATHS):
         self.app = app  # the wrapped ASGI app
         self.checker = KeyChecker(keys)  # the configured keys
-        self.exempt = frozenset(exempt_paths)  # paths served without a key
+        self.exempt = frozenset(exempt_paths) | set(ALWAYS_EXEMPT_PATHS)  # served without a key
 
     async def __call__(self, scope, receive, send):
         if (

@@ -3,6 +3,8 @@
 `/health` is for probes and load balancers, unauthenticated: its status code and
 `{"status": ...}`, nothing about the fleet. The fleet's details (executor addresses, load,
 admission) are under `/admin/`, behind the admin gate (`controller/api/auth.py` `AdminAuth`).
+`/peer` is for the other controllers' probes, unauthenticated: this controller's advertised
+address, owner id and the number of executors it drives, no executor address.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from controller.api.admission import Admission
 from controller.fleet.engine import Engine
+from controller.fleet.peers import PEER_PATH
 
 VERSION = "0.1.0"
 # What /admin/health shows per executor (/admin/executors shows everything).
@@ -30,7 +33,7 @@ _HEALTH_FIELDS = (
 
 
 def add_ops_routes(app: FastAPI, engine: Engine, admission: Admission) -> None:
-    """/health, /admin/health, /admin/executors, /metrics and /version."""
+    """/health, /peer, /admin/health, /admin/executors, /metrics and /version."""
 
     def status() -> tuple[str, int]:
         ok = engine.healthy and not admission.draining
@@ -41,6 +44,13 @@ def add_ops_routes(app: FastAPI, engine: Engine, admission: Admission) -> None:
     async def health():
         text, code = status()
         return JSONResponse({"status": text}, status_code=code)
+
+    @app.get(PEER_PATH)
+    async def peer():
+        # For the other controllers' probes (controller/fleet/peers.py): 200 while this
+        # controller serves, 503 while it drains (its peers then take its executors).
+        code = 503 if admission.draining else 200
+        return JSONResponse(engine.peer_state(), status_code=code)
 
     @app.get("/admin/health")
     async def health_details():

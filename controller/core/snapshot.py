@@ -63,6 +63,8 @@ class ExecutorSnapshot:
     owned: bool = False  # this controller owns the executor's session (a lease it renews)
     owner: str = ""  # the owner id holding it: this controller's own while owned, else the
     # other controller that refused the handshake ("" when unknown)
+    assigned_to: str = ""  # the controller the division among live controllers gave it (its
+    # advertised address; "" = this controller, or no peers configured)
 
     @property
     def free_blocks(self) -> int:

@@ -1,4 +1,5 @@
-"""Where the executors are: static addresses, DNS names and files, re-read periodically.
+"""Where the executors are (and the other controllers, peers.py): static addresses, DNS names
+and files, re-read periodically.
 
 - static (`--executor host:port`): always part of the fleet.
 - DNS (`--executor-dns name:port`): every A/AAAA record of the name is one executor, as a
@@ -58,15 +59,30 @@ def read_address_file(path: str) -> set[str]:
     return found
 
 
-class Discovery:
-    """Resolves every source into the current set of executor addresses."""
+def executor_sources(config: ControllerConfig) -> list[Source]:
+    """Where the executors are listed."""
+    return (
+        [Source("static", a) for a in config.executors]
+        + [Source("dns", d) for d in config.executor_dns]
+        + [Source("file", f) for f in config.executor_files]
+    )
 
-    def __init__(self, config: ControllerConfig):
-        self.sources: list[Source] = (
-            [Source("static", a) for a in config.executors]
-            + [Source("dns", d) for d in config.executor_dns]
-            + [Source("file", f) for f in config.executor_files]
-        )
+
+def peer_sources(config: ControllerConfig) -> list[Source]:
+    """Where the other controllers are listed (their HTTP addresses)."""
+    return (
+        [Source("static", a) for a in config.peers]
+        + [Source("dns", d) for d in config.peer_dns]
+        + [Source("file", f) for f in config.peer_files]
+    )
+
+
+class Discovery:
+    """Resolves every source into the current set of addresses (the executors' unless other
+    `sources` are given: the peers', peers.py)."""
+
+    def __init__(self, config: ControllerConfig, sources: list[Source] | None = None):
+        self.sources: list[Source] = executor_sources(config) if sources is None else sources
         for source in self.sources:
             if source.kind == "dns":
                 split_host_port(source.spec)  # fail at startup, not at the first round

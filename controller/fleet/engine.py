@@ -3,12 +3,13 @@
 Each executor address gets an `ExecutorSession` (its connection, scheduler, block pool and
 step loop; see session.py), which reports back through the `SessionOwner` interface the engine
 implements (owner.py). Addresses come from discovery (static, DNS, files; see discovery.py) and
-may join or leave at any time. Each request is placed on one healthy executor by the placement
-policy (placement.py). When an executor is lost, its unfinished requests are placed again on
-healthy executors and resumed by recompute (prompt + tokens so far), so a client's stream only
-pauses; with no healthy executor they wait up to `no_executor_timeout`, then fail (503). A
-request that an executor still has not admitted after `affinity_max_wait` seconds moves to an
-executor that can start it at once.
+may join or leave at any time; with other controllers (peers.py), the live ones divide the
+executors between them and this one drives only its share (membership.py). Each request is
+placed on one healthy executor by the placement policy (placement.py). When an executor is
+lost, its unfinished requests are placed again on healthy executors and resumed by recompute
+(prompt + tokens so far), so a client's stream only pauses; with no healthy executor they wait
+up to `no_executor_timeout`, then fail (503). A request that an executor still has not admitted
+after `affinity_max_wait` seconds moves to an executor that can start it at once.
 
 A request fails alone, with an error to its client, when it cannot run: data that cannot be
 put on the wire (checked before it is placed), a scheduler that can never run it, or more
@@ -33,7 +34,9 @@ from controller.fleet.discovery import Discovery
 from controller.fleet.fleet_model import FleetModel
 from controller.fleet.incarnations import Incarnations
 from controller.fleet.maintenance import Maintenance
+from controller.fleet.membership import Membership
 from controller.fleet.ownership import new_owner_id
+from controller.fleet.peers import Peers
 from controller.fleet.placement import (
     PlacementPolicy,
     PlacementQuery,
@@ -62,9 +65,10 @@ class NoExecutorError(RuntimeError):
     """No healthy executor took the request in time."""
 
 
-class Engine(Maintenance):
+class Engine(Maintenance, Membership):
     """Routes requests to a changing fleet of executors and streams their outputs (its
-    maintenance loop: `Maintenance`, maintenance.py)."""
+    maintenance loop: `Maintenance`, maintenance.py; its sessions as discovery and the
+    division between controllers make them: `Membership`, membership.py)."""
 
     def __init__(self, config: ControllerConfig, tokenizer: Tokenizer):
         self.config = config  # controller configuration
@@ -81,6 +85,7 @@ class Engine(Maintenance):
         self.discovery = Discovery(config)  # where executors are
         self.sessions: dict[str, ExecutorSession] = {}  # by address
         self.owner_id = new_owner_id()  # this controller process, as executors know it
+        self.peers = Peers(config, self.owner_id, self._divide)  # the other controllers
         self.model = FleetModel(config.max_model_len, tokenizer.eos_token_ids)  # its limits
         self.waiting: dict[str, Tracked] = {}  # requests waiting for a healthy executor
         self._incarnations = Incarnations(lambda address: address in self.sessions)
@@ -94,7 +99,9 @@ class Engine(Maintenance):
     # --- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Resolve the executors, connect to them in the background, start the loops."""
+        """Probe the peers once, resolve the executors, connect to this controller's share of
+        them in the background, start the loops."""
+        await self.peers.start()
         self._apply(await self.discovery.resolve())
         self._tasks.append(asyncio.create_task(self._maintain(), name="maintain"))
         if self.discovery.dynamic:
@@ -104,37 +111,8 @@ class Engine(Maintenance):
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.peers.stop()
         await asyncio.gather(*(s.stop() for s in list(self.sessions.values())))
-
-    async def _discover(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.discovery_interval)
-            try:
-                self._apply(await self.discovery.resolve())
-            except Exception:  # keep discovering whatever one round did
-                log.exception("discovery round failed")
-
-    def _apply(self, found: dict[str, str]) -> None:
-        """Start sessions for new addresses; drain the ones that left."""
-        for address, source in found.items():
-            session = self.sessions.get(address)
-            if session is None:
-                log.info("executor %s joined (%s)", address, source)
-                session = self.sessions[address] = ExecutorSession(
-                    self,
-                    self.config,
-                    self.metrics,
-                    address,
-                    source,
-                    self.executor_security,
-                    self.owner_id,
-                )
-                session.start()
-            elif session.leaving and session.rejoin():
-                log.info("executor %s is back in discovery", address)
-        for address, session in list(self.sessions.items()):
-            if address not in found:
-                session.leave()
 
     # --- SessionOwner: what sessions report ----------------------------------------------
 

@@ -12,9 +12,10 @@ another session already drives (the same process under another address) is not d
 this session waits as a duplicate and retries. An executor another controller owns (its lease
 lives: controller.fleet.ownership) refuses the handshake: the session waits as OWNED_ELSEWHERE
 and retries when that lease would expire, without counting a failure. When the session ends
-for good it releases the executor, so another controller may take it at once. It reports only
-through the `SessionOwner` it is given, and shows itself to the rest of the controller as
-`ExecutorSnapshot`s.
+for good it releases the executor, so another controller may take it at once. With peers, a
+session whose executor the division gives another controller hands it over (handover.py). It
+reports only through the `SessionOwner` it is given, and shows itself to the rest of the
+controller as `ExecutorSnapshot`s.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from controller.fleet.client import (
     OwnedElsewhere,
     grpc_status_of,
 )
+from controller.fleet.handover import Handover
 from controller.fleet.handshake import describe, handshake, new_scheduler
 from controller.fleet.health import HealthMonitor
 from controller.fleet.ownership import retry_delay
@@ -50,10 +52,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class ExecutorSession(SessionView, StepLoop):
+class ExecutorSession(SessionView, StepLoop, Handover):
     """One executor: client, health checks, scheduler and the step loop that drives it (its
     base classes: the step loop, steps.py; what it shows placement and reports,
-    session_view.py)."""
+    session_view.py; following the division between controllers, handover.py)."""
 
     def __init__(
         self,
@@ -103,6 +105,11 @@ class ExecutorSession(SessionView, StepLoop):
             on_lost=self._wake.set,
         )  # judges the session lost
         self._task: asyncio.Task | None = None  # the lifecycle
+        self._backoff = config.reconnect_backoff_min  # wait before the next attempt
+        self.assigned_to = ""  # the controller the division gave it ("" = this one)
+        self._reassigned = asyncio.Event()  # set when `assigned_to` changes
+        self._drain_timer: asyncio.TimerHandle | None = None  # ends a hand-over's drain
+        self.handover_expired = False  # the hand-over's drain ran out (the loop ended on purpose)
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -139,7 +146,7 @@ class ExecutorSession(SessionView, StepLoop):
         if not self.leaving or self.state is not SessionState.DRAINING:
             return False
         self.leaving = False
-        self._set_state(SessionState.HEALTHY)
+        self._set_state(SessionState.DRAINING if self.assigned_to else SessionState.HEALTHY)
         return True
 
     def _set_state(self, state: SessionState) -> None:
@@ -147,45 +154,67 @@ class ExecutorSession(SessionView, StepLoop):
             self.state, self.state_since = state, time.monotonic()
 
     async def _lifecycle(self) -> None:
-        cfg = self.config
-        delay = cfg.reconnect_backoff_min
         try:
             while not self.leaving:
+                self._reassigned.clear()
+                if self.assigned_to:  # another controller's: no connection (handover.py)
+                    await self._idle_elsewhere()
+                    continue
                 await self.client.close()  # every attempt starts on a fresh channel
-                try:
-                    await self._connect()
-                except OwnedElsewhere as exc:  # not a failure: wait for its lease
-                    await asyncio.sleep(self._owned_elsewhere(exc))
-                    continue
-                except Exception as exc:  # not up yet, or failing: retry
-                    self._count_failure(exc)
-                    error = repr(exc)[:300]
-                    level = logging.INFO if error != self.connect_error else logging.DEBUG
-                    log.log(level, "executor %s: not connected (%s); retrying", self.address, error)
-                    self.connect_error = error
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, cfg.reconnect_backoff_max)
-                    continue
-                self.owned_by = ""
-                delay = cfg.reconnect_backoff_min
-                self.health.start()
-                try:
-                    await self._run_steps()  # returns once drained
-                    self._set_state(SessionState.REMOVED)  # drained: too late to rejoin
-                except ExecutorLost as exc:
-                    self._count_failure(exc)
-                    self._on_lost(str(exc))
-                except Exception as exc:  # a bug must not strand the requests placed here
-                    log.exception("executor %s: step loop failed", self.address)
-                    self._on_lost(f"step loop failed: {exc!r}")
-                finally:
-                    await self.health.stop()
+                if await self._connect_or_wait():
+                    await self._drive()
         finally:
+            self._cancel_drain_timer()
             self._set_state(SessionState.REMOVED)
             self.owner.release_incarnation(self.address)
             self.owner.session_removed(self.address)
-            await self.client.release_session(cfg.health_check_timeout)
+            await self.client.release_session(self.config.health_check_timeout)
             await self.client.close()
+
+    async def _connect_or_wait(self) -> bool:
+        """One connection attempt; False after waiting for the next one (the other owner's
+        lease, or the backoff after a failure)."""
+        cfg = self.config
+        try:
+            await self._connect()
+        except OwnedElsewhere as exc:  # not a failure: wait for its lease
+            await self._pause(self._owned_elsewhere(exc))
+            return False
+        except Exception as exc:  # not up yet, or failing: retry
+            self._count_failure(exc)
+            error = repr(exc)[:300]
+            level = logging.INFO if error != self.connect_error else logging.DEBUG
+            log.log(level, "executor %s: not connected (%s); retrying", self.address, error)
+            self.connect_error = error
+            await self._pause(self._backoff)
+            self._backoff = min(self._backoff * 2, cfg.reconnect_backoff_max)
+            return False
+        self.owned_by = ""
+        self._backoff = cfg.reconnect_backoff_min
+        return True
+
+    async def _drive(self) -> None:
+        """Run the step loop of a connected session until it is lost, drained (the address
+        left) or handed over to another controller."""
+        self.health.start()
+        try:
+            await self._run_steps()  # returns once drained
+            # Drained: too late to rejoin, or to take work before the next handshake.
+            self._set_state(SessionState.REMOVED if self.leaving else SessionState.CONNECTING)
+        except ExecutorLost as exc:
+            expired, self.handover_expired = self.handover_expired, False
+            if not expired:
+                self._count_failure(exc)
+            self._on_lost(str(exc), counted=not expired)
+        except Exception as exc:  # a bug must not strand the requests placed here
+            log.exception("executor %s: step loop failed", self.address)
+            self._on_lost(f"step loop failed: {exc!r}")
+        finally:
+            await self.health.stop()
+        if self.assigned_to and not self.leaving:
+            self.owner.release_incarnation(self.address)
+            self._retire_scheduler()
+            await self._release_handed_over()
 
     def _owned_elsewhere(self, exc: OwnedElsewhere) -> float:
         """Wait as OWNED_ELSEWHERE; the seconds until the next attempt (ownership.retry_delay)."""
@@ -246,7 +275,8 @@ class ExecutorSession(SessionView, StepLoop):
         log.info(
             "executor %s: %s", self.address, describe(hs, restarted, self.max_num_batched_tokens)
         )
-        self._set_state(SessionState.DRAINING if self.leaving else SessionState.HEALTHY)
+        draining = self.leaving or self.assigned_to  # the step loop hands it over when idle
+        self._set_state(SessionState.DRAINING if draining else SessionState.HEALTHY)
         self.owner.session_ready(self.address)
 
     def _claim(self, incarnation: str) -> None:
@@ -268,19 +298,24 @@ class ExecutorSession(SessionView, StepLoop):
         if self.state is SessionState.DUPLICATE:
             self._set_state(SessionState.CONNECTING)
 
-    def _on_lost(self, reason: str) -> None:
+    def _on_lost(self, reason: str, counted: bool = True) -> None:
         """Hand every request back to the owner (it moves them) and drop the connection's
-        scheduler.
+        scheduler; `counted`: a loss of the executor (not a hand-over's drain running out).
 
         Synchronous on purpose: no request can be left between two owners. The channel is
         closed by the next connection attempt.
         """
-        self.losses += 1
-        self.last_loss = reason[:300]
         log.warning(
-            "executor %s lost: %s; moving %d requests", self.address, reason, len(self.tracked)
+            "executor %s %s: %s; moving %d requests",
+            self.address,
+            "lost" if counted else "handed over",
+            reason,
+            len(self.tracked),
         )
-        self.metrics.executor_lost(self.series)
+        if counted:
+            self.losses += 1
+            self.last_loss = reason[:300]
+            self.metrics.executor_lost(self.series)
         self._set_state(SessionState.UNHEALTHY)
         self.owner.release_incarnation(self.address)
         moved = list(self.tracked.values())

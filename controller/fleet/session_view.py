@@ -32,6 +32,7 @@ class SessionState(enum.Enum):
     DRAINING = "draining"  # left discovery: finishes its requests, takes no new work
     DUPLICATE = "duplicate"  # another address reaches the same executor: waits, retrying
     OWNED_ELSEWHERE = "owned_elsewhere"  # another controller's lease holds it: waits, retrying
+    ASSIGNED_ELSEWHERE = "assigned_elsewhere"  # the division gives it another controller: idle
     REMOVED = "removed"  # gone for good
 
 
@@ -56,6 +57,7 @@ class SessionView:
     connect_error: str  # why connection attempts fail
     duplicate_of: str  # the address driving the same executor, while a duplicate
     owned_by: str  # the other controller holding the executor, while it refuses us
+    assigned_to: str  # the controller the division gave it ("" = this one)
     incarnations: int  # distinct incarnation ids seen
     losses: int  # times lost
     reconnects: int  # handshakes after a loss
@@ -144,6 +146,7 @@ class SessionView:
             duplicate_of=self.duplicate_of,
             owned=self.client.generation > 0 and self.scheduler is not None,
             owner=self.client.owner_id if self.scheduler is not None else self.owned_by,
+            assigned_to=self.assigned_to,
         )
 
     @property

@@ -60,6 +60,7 @@ class StepLoop:
     cost: StepCostModel  # measured step times, and the step budget they allow
     tracked: PlacedRequests  # requests placed here
     leaving: bool  # left discovery: drain, then stop
+    assigned_to: str  # another controller's by the division: drain, then hand over
     steps: int  # steps run
     tokens: int  # tokens computed
     _wake: asyncio.Event  # set when work arrives or the session must end
@@ -82,8 +83,8 @@ class StepLoop:
         last_done = 0.0  # when the previous result arrived
         while True:
             self.health.check()
-            if self.leaving and not self.tracked and not inflight:
-                return  # drained (the session ends)
+            if (self.leaving or self.assigned_to) and not self.tracked and not inflight:
+                return  # drained (the session ends, or hands the executor over)
             if (
                 len(inflight) < max(depth, 1)
                 and sched.has_unfinished_requests()

@@ -25,7 +25,15 @@ if TYPE_CHECKING:
 # executor (none can take them now).
 FleetReader = Callable[[], "tuple[Iterable[ExecutorSnapshot], int]"]
 
-STATES = ("connecting", "healthy", "unhealthy", "draining", "duplicate", "owned_elsewhere")
+STATES = (
+    "connecting",
+    "healthy",
+    "unhealthy",
+    "draining",
+    "duplicate",
+    "owned_elsewhere",
+    "assigned_elsewhere",
+)
 ACCELERATORS = ("gpu", "tpu", "cpu")
 
 

@@ -48,4 +48,5 @@ def executor_report(snap: ExecutorSnapshot, now: float | None = None) -> dict:
         "duplicate_of": snap.duplicate_of,
         "owned": snap.owned,
         "owner": snap.owner,
+        "assigned_to": snap.assigned_to,
     }

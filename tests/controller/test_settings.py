@@ -213,6 +213,24 @@ def test_http_server_bounds():
     assert (config.http_header_timeout, config.http_max_connections) == (0.0, 9)
 
 
+def test_peers_and_the_advertised_address():
+    import socket
+
+    config = load(["--model", MODEL])
+    assert (config.peers, config.peer_dns, config.peer_files) == ([], [], [])  # no peers
+    assert config.advertise_address == f"{socket.gethostname()}:8000"  # wildcard --host
+    assert (config.peer_probe_interval, config.handover_drain_timeout) == (1.0, 30.0)
+    config = load(
+        ["--model", MODEL, "--host", "127.0.0.1", "--port", "9000", "--peer", "10.0.0.2:8000"],
+        {"TANDEM_PEER_DNS": "controllers.ns.svc:8000"},
+    )
+    assert config.advertise_address == "127.0.0.1:9000"
+    assert (config.peers, config.peer_dns) == (["10.0.0.2:8000"], ["controllers.ns.svc:8000"])
+    config = load(["--model", MODEL, "--host", "::1", "--advertise-address", "ctl-0:8000"])
+    assert config.advertise_address == "ctl-0:8000"
+    assert load(["--model", MODEL, "--host", "::1"]).advertise_address == "[::1]:8000"
+
+
 def test_precedence_flag_over_variable_over_file_over_default(tmp_path):
     config_file = tmp_path / "controller.yaml"
     config_file.write_text(

@@ -27,3 +27,7 @@ class FakeEngineBase:
 
     async def wait_for_executor(self) -> bool:
         return True
+
+    def peer_state(self) -> dict:
+        """What /peer answers (the engine's Membership.peer_state)."""
+        return {"address": "fake:8000", "owner": "host/fake", "owned_executors": 1}

@@ -221,9 +221,12 @@ def spawn_executor(
     return spawn_process(args, os.path.join(tmp_dir, f"{name}.log")), port
 
 
-def spawn_controller(model: str, tmp_dir: str, args=(), name: str = "controller") -> LiveServer:
-    """Start a controller with the given flags (executors included) without waiting."""
-    http_port = free_port()
+def spawn_controller(
+    model: str, tmp_dir: str, args=(), name: str = "controller", port: int | None = None
+) -> LiveServer:
+    """Start a controller with the given flags (executors included) without waiting, on
+    `port` (default: a free one)."""
+    http_port = port or free_port()
     controller = spawn_process(
         [
             "-m",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from controller.api.admission import Admission, AdmissionLimits
 from controller.api.auth import direct_loopback, is_admin_path
 from tests.controller.api.test_request_ids import COMPLETION, FakeEngine, make_app, run
 
@@ -120,3 +121,24 @@ def test_path_and_peer_rules():
     assert not direct_loopback({"client": None, "headers": []})
     assert not direct_loopback({"client": ("localhost", 1), "headers": []})  # not an address
     assert not direct_loopback({"client": ("127.0.0.1", 1), "headers": [(b"via", b"1.1 p")]})
+
+
+def test_the_peer_probe_needs_no_key_and_turns_503_when_draining():
+    """/peer answers other controllers, which hold no key, whatever keys and exempt paths say;
+    it shows no executor address; a draining controller answers 503 (its peers take over)."""
+    engine = FakeEngine(api_keys=["sk-api"], admin_api_keys=["sk-admin"])
+    engine.config.auth_exempt_paths = []
+    admission = Admission(AdmissionLimits(0, 0, 1))
+    app = make_app(engine, admission)
+
+    async def main():
+        async with client_from(app, "203.0.113.9") as http:
+            live = await http.get("/peer")
+            admission.start_draining()
+            draining = await http.get("/peer")
+            return live, draining
+
+    live, draining = run(main())
+    assert live.status_code == 200 and live.json()["owner"] == "host/fake"
+    assert draining.status_code == 503
+    assert statuses(app, "203.0.113.9", "/health", [{}]) == [401]  # not exempt here

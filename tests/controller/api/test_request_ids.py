@@ -317,6 +317,7 @@ def test_routes_and_middleware_order():
         ("POST", "/v1/chat/completions"),
         ("GET", "/v1/models"),
         ("GET", "/health"),
+        ("GET", "/peer"),
         ("GET", "/admin/health"),
         ("GET", "/admin/executors"),
         ("GET", "/metrics"),

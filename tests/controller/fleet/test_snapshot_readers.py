@@ -133,6 +133,7 @@ def test_admin_report_is_a_function_of_a_snapshot():
         last_loss="stream broke",
         owned=True,
         owner="host/abc",
+        assigned_to="10.0.0.2:8000",
     )
     assert executor_report(snap, now=100.0) == {
         "address": "a:1",
@@ -169,6 +170,7 @@ def test_admin_report_is_a_function_of_a_snapshot():
         "duplicate_of": "",
         "owned": True,
         "owner": "host/abc",
+        "assigned_to": "10.0.0.2:8000",
     }
     before = snapshot(kind=None, device=None, incarnation=None, state="connecting")
     report = executor_report(before)
