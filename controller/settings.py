@@ -13,14 +13,13 @@ from common.hub.reference import default_served_name
 from common.hub.settings import ModelSourceSettings
 from common.settings import SettingError, derived, setting
 from common.wire.rpc_token import read_token
+from controller.limit_settings import LimitSettings
 
 DEFAULT_EXECUTOR = "127.0.0.1:50051"  # the executor of a controller given no other
 API_KEY_ENV = "TANDEM_API_KEY"  # one more accepted API key (besides --api-key, --api-key-file)
 ADMIN_API_KEY_ENV = "TANDEM_ADMIN_API_KEY"  # one more admin key (besides the flags)
 FLEET = "fleet: discovery, health, failover, placement"
 ROBUSTNESS = "fleet robustness: what one request or executor can cost the others"
-LIMITS = "limits: admission control and request size"
-REQUEST_LIMITS = "request limits: what one request may ask for"
 AUTH = "authentication of API clients"
 ADMIN = "admin: who may read /admin/* (executor addresses and details)"
 HTTP = "HTTP server: connection limits and read timeouts"
@@ -44,9 +43,9 @@ def _limit_specs(values: list[str]) -> list[str]:
     return specs
 
 
-class ControllerConfig(ModelSourceSettings):
+class ControllerConfig(ModelSourceSettings, LimitSettings):
     """How the controller serves and schedules (the model and where it comes from:
-    ModelSourceSettings)."""
+    ModelSourceSettings; what clients and requests may cost: LimitSettings)."""
 
     served_model_name: str = setting(
         "", "name clients use; '' = the model id or the directory's name"
@@ -273,72 +272,6 @@ class ControllerConfig(ModelSourceSettings):
     )
     # Per device kind ("cpu", "gpu", "tpu"): (max_num_batched_tokens, max_num_seqs) overrides.
     kind_limits: dict[str, tuple[int, int]] = derived(default_factory=dict)
-
-    # Admission: bounds on requests waiting for their first token (429 beyond them).
-    max_queued_requests: int = setting(
-        1024,
-        "sequences waiting for their first token, fleet-wide, before new requests get 429 "
-        "(0 = no bound)",
-        group=LIMITS,
-    )
-    max_queued_tokens: int = setting(
-        1 << 20, "prompt tokens of those sequences before 429 (0 = no bound)", group=LIMITS
-    )
-    retry_after: int = setting(
-        1, "seconds in the Retry-After header of a 429 or a shutdown 503", group=LIMITS
-    )
-    max_request_bytes: int = setting(
-        4 << 20, "largest HTTP request body; larger ones get 413 (0 = no bound)", group=LIMITS
-    )
-
-    # Request limits: what one request may ask for, checked on the parsed body before anything
-    # is built for it (400 beyond each). vLLM bounds none of these; the defaults are far above
-    # what real clients send and keep one request's controller memory in the megabytes.
-    max_request_sequences: int = setting(
-        1024, "most sequences (prompts x n) in one request", group=REQUEST_LIMITS, ge=1
-    )
-    max_request_prompt_tokens: int = setting(
-        1 << 20,
-        "most prompt tokens in one request, all prompts together (text longer than this many "
-        "tokens could cover is refused before it is tokenized)",
-        group=REQUEST_LIMITS,
-        ge=1,
-    )
-    max_stop_strings: int = setting(16, "most stop strings in one request", group=REQUEST_LIMITS)
-    max_stop_string_chars: int = setting(
-        1024, "longest stop string, in characters", group=REQUEST_LIMITS, ge=1
-    )
-    max_stop_token_ids: int = setting(
-        256, "most stop_token_ids in one request", group=REQUEST_LIMITS
-    )
-    max_chat_messages: int = setting(
-        4096, "most messages in one chat request", group=REQUEST_LIMITS, ge=1
-    )
-    max_tools: int = setting(128, "most tools in one chat request", group=REQUEST_LIMITS)
-    # Structured output: a constraint's text bounds its compile time (llguidance compiles a
-    # realistic schema in milliseconds; the text size is what a client can inflate).
-    max_grammar_chars: int = setting(
-        64 << 10,
-        "longest structured-output constraint (JSON schema, regex, grammar, choices, the "
-        "tool-call grammar of tool_choice required or named), in characters",
-        group=REQUEST_LIMITS,
-        ge=1,
-    )
-    grammar_cache_entries: int = setting(
-        256, "compiled grammars kept for reuse (0 = none)", group=REQUEST_LIMITS, ge=0
-    )
-    grammar_cache_mib: int = setting(
-        64, "estimated MiB of compiled grammars kept for reuse", group=REQUEST_LIMITS, ge=0
-    )
-    # A client whose socket takes nothing for this long is gone or stalled: its response is
-    # aborted and its KV blocks freed, instead of generating into buffers nobody reads.
-    stream_stall_timeout: float = setting(
-        30.0,
-        "seconds a response may wait for a client that reads nothing before it is aborted "
-        "(0 = wait for ever)",
-        group=REQUEST_LIMITS,
-        ge=0,
-    )
 
     # Client authentication: Bearer API keys (none = open API).
     api_keys: list[str] = setting(
