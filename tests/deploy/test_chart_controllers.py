@@ -48,6 +48,8 @@ def test_one_controller_renders_as_before(renderer, tmp_path):
         assert flag not in args, flag
     assert flag_values(args, "--executor-lease-seconds") == ["10"]
     assert "POD_IP" not in {e["name"] for e in container(dep, "controller")["env"]}
+    assert "lifecycle" not in container(dep, "controller")
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 50
     assert PEERS not in {n for _, n in m.kinds_names()}
     assert not [d for d in m.all("PodDisruptionBudget") if d["metadata"]["name"] == CTRL]
     assert not m.all("InferencePool") and not m.all("HTTPRoute")
@@ -74,8 +76,10 @@ def test_several_controllers(renderer, tmp_path, monkeypatch):
     assert flag_values(args, "--handover-drain-timeout") == ["12"]
     (pod_ip,) = [e for e in c["env"] if e["name"] == "POD_IP"]
     assert pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-    # The kill deadline still covers the shutdown drain (shutdownGrace 30 + 20).
-    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 50
+    # Admission goes on while the endpoints drop the pod, then the drain; the kill deadline
+    # covers both (preStop 5 + shutdownGrace 30 + 20).
+    assert c["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "5"]}}}
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 55
 
     # Peers see every controller, ready or not; clients reach the ready ones only.
     peers = m.get("Service", PEERS)
@@ -130,6 +134,10 @@ def test_pdb_with_several_controllers_ignores_min_available(renderer, tmp_path):
             "set controller.replicas instead of --peer-dns",
         ),
         ({"controller": {"replicas": 0}}, "replicas"),
+        (
+            {"controller": {"terminationGracePeriodSeconds": 48}},
+            "must exceed controller.shutdownGrace + 15 + the preStop sleep (50)",
+        ),
         ({"controller": {"executorLeaseSeconds": 0}}, "executorLeaseSeconds"),
         ({"controller": {"inferencePool": {"enabled": True}}}, "endpointPicker.name is required"),
         (
