@@ -217,3 +217,15 @@ def test_crd_schemas_refuse_what_their_crds_refuse(renderer, tmp_path):
         spoil(doc)
         with pytest.raises(AssertionError, match="invalid for its CRD"):
             validate_k8s(doc)
+
+
+def test_notes_name_the_controllers(renderer, tmp_path):
+    if renderer.helm:
+        pytest.skip("`helm template` does not print NOTES.txt; tests/deploy/helm_render does")
+    one = renderer.render("gpu-values.yaml", notes=True)
+    assert "controllers divide" not in one
+    notes = renderer.render("gpu-values.yaml", _several(), tmp_path=tmp_path, notes=True)
+    assert (
+        f"3 controllers divide these executors between them; they find each other at {PEERS_DNS}"
+        in notes
+    )
