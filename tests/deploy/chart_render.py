@@ -220,11 +220,55 @@ def env_of(c: dict) -> dict:
 # --- Kubernetes schema validation --------------------------------------------------------------
 
 
+CRD_SCHEMAS = Path(__file__).resolve().parent / "crds"
+
+
+def _closed(schema: dict) -> dict:
+    """An openAPIV3Schema as JSON Schema that refuses unknown fields: an object schema with
+    properties and no additionalProperties gets additionalProperties false (the API server
+    would prune such a field silently: a typo in the chart would vanish unnoticed)."""
+    out = {k: v for k, v in schema.items() if k not in ("format", "default")}
+    if "properties" in out:
+        out["properties"] = {k: _closed(v) for k, v in out["properties"].items()}
+        out.setdefault("additionalProperties", False)
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = _closed(out["additionalProperties"])
+    if "items" in out:
+        out["items"] = _closed(out["items"])
+    return out
+
+
+def crd_schemas() -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> the JSON schema of each CRD kept in tests/deploy/crds."""
+    out = {}
+    for f in sorted(CRD_SCHEMAS.glob("*.yaml")):
+        crd = yaml.safe_load(f.read_text())
+        out[(f"{crd['group']}/{crd['version']}", crd["kind"])] = _closed(crd["openAPIV3Schema"])
+    return out
+
+
+def validate_crd_object(doc: dict) -> None:
+    """An object of a CRD whose schema is kept here, validated against it."""
+    import jsonschema
+
+    schema = crd_schemas()[(doc["apiVersion"], doc["kind"])]
+    try:
+        jsonschema.validate(doc, schema)
+    except jsonschema.ValidationError as exc:
+        where = "/".join(map(str, exc.absolute_path))
+        raise AssertionError(
+            f"{doc['kind']}/{doc['metadata']['name']} invalid for its CRD: {exc.message} at {where}"
+        ) from exc
+
+
 def validate_k8s(doc: dict) -> None:
     import kubernetes_validate
 
     key = (doc["apiVersion"], doc["kind"])
     if key in CRD_KINDS:
+        return
+    if key in crd_schemas():
+        validate_crd_object(doc)
         return
     for version in (OLDEST_KUBE, str(kubernetes_validate.latest_version())):
         try:

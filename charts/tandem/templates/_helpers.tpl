@@ -71,6 +71,15 @@ whose A records are the pool's ready pods. Takes (dict "root" $ "pool" "gpu").
 {{- printf "%s.%s.svc.%s:%d" (include "tandem.executorName" .) .root.Release.Namespace .root.Values.clusterDomain ($p.port | int) -}}
 {{- end -}}
 
+{{/* The controllers' headless Service (several controllers only), as --peer-dns takes it. */}}
+{{- define "tandem.controllerPeersName" -}}
+{{- printf "%s-peers" (include "tandem.controllerName" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "tandem.controllerPeersDNS" -}}
+{{- printf "%s.%s.svc.%s:%d" (include "tandem.controllerPeersName" .) .Release.Namespace .Values.clusterDomain (.Values.controller.port | int) -}}
+{{- end -}}
+
 {{/* Environment every Tandem container gets: a writable home and cache under /tmp. */}}
 {{- define "tandem.baseEnv" -}}
 - name: HOME
