@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 GREEDY_TEMPERATURE = 1e-5
 
 
-
 def token_mask_bytes(vocab_size: int) -> int:
     """Bytes of an allowed-token mask (structured output) over a vocabulary. A mask is packed
     bits: little-endian uint32 words, bit t % 32 of word t // 32 set when token t may be
