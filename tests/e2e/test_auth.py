@@ -8,13 +8,15 @@ import httpx
 import openai
 import pytest
 
-from controller.api.auth import KeyChecker, bearer_token
+from controller.api.auth import ALWAYS_EXEMPT_PATHS, KeyChecker, bearer_token
 from controller.settings import load_api_keys
 from tests.support.processes import start_server
 
 KEYS = {"flag": "sk-flag-0123", "file": "sk-file-4567", "env": "sk-env-89ab"}
 ADMIN_KEY = "sk-admin-cdef"
-EXEMPT = {"/health", "/metrics"}
+# Exempt by default (--auth-exempt-path), and /peer always: other controllers probe it
+# (controller.api.auth.ALWAYS_EXEMPT_PATHS; it reveals no executor address).
+EXEMPT = {"/health", "/metrics", *ALWAYS_EXEMPT_PATHS}
 
 
 def test_key_sources(tmp_path):
