@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 
-from common.wire.step_types import SamplingParams, TokenLogprobs
+from common.wire.step_types import SamplingParams, TokenLogprobs, allowed_bits
 
 _MASK = (1 << 64) - 1
 
@@ -94,7 +94,7 @@ class FakeSampler:
     def allowed_bits(self, mask: bytes) -> int:
         """A packed mask as one integer whose bit t says whether token t is allowed (the
         little-endian words read as little-endian bytes), padding past the vocabulary off."""
-        return int.from_bytes(mask, "little") & ((1 << self.vocab_size) - 1)
+        return allowed_bits(mask, self.vocab_size)
 
     def _unconstrained(
         self, sampling: SamplingParams, prompt_key: int, position: int, num_output_tokens: int

@@ -18,7 +18,13 @@ from collections import Counter
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
-from common.wire.step_types import NewRequestData, SamplingParams, StepInput, token_mask_bytes
+from common.wire.step_types import (
+    NewRequestData,
+    SamplingParams,
+    StepInput,
+    allowed_bits,
+    token_mask_bytes,
+)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_PENALTY = 2.0  # presence / frequency penalties beyond +-2 are no sampling anyone asked for
@@ -94,9 +100,7 @@ def token_mask_problem(mask: bytes | None, limits: StepLimits) -> str:
     if len(mask) != expected:
         vocab = limits.vocab_size
         return f"allowed_token_mask holds {len(mask)} bytes, not {expected} (vocab {vocab})"
-    # Little-endian words of little-endian bits: bit t of the whole little-endian number is
-    # token t, so one big-integer test covers the mask (no per-token loop).
-    if not int.from_bytes(mask, "little") & ((1 << limits.vocab_size) - 1):
+    if not allowed_bits(mask, limits.vocab_size):  # one big-integer test, no per-token loop
         return "allowed_token_mask allows no token"
     return ""
 

@@ -20,6 +20,13 @@ def token_mask_bytes(vocab_size: int) -> int:
     return (vocab_size + 31) // 32 * 4
 
 
+def allowed_bits(mask: bytes, vocab_size: int) -> int:
+    """A packed mask as one integer whose bit t says whether token t is allowed (little-endian
+    words of little-endian bits make the whole mask one little-endian number); the padding
+    bits past the vocabulary are cleared."""
+    return int.from_bytes(mask, "little") & ((1 << vocab_size) - 1)
+
+
 @dataclass
 class SamplingParams:
     """How to pick the next token of one request."""
