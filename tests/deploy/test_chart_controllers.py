@@ -166,30 +166,69 @@ def _merge_values(base: dict, over: dict) -> dict:
     return out
 
 
+GA = "inference.networking.k8s.io/v1"
+ALPHA = "inference.networking.x-k8s.io/v1alpha2"
+
+
+def _check_v1_cel_rules(pool: dict) -> None:
+    """The GA CRD's CEL rules, which the kept JSON schema cannot state: a Service endpoint picker
+    needs a port, and the target port numbers are unique."""
+    ref = pool["spec"]["endpointPickerRef"]
+    if ref.get("kind", "Service") == "Service":
+        assert "port" in ref, "port is required when kind is 'Service'"
+    numbers = [p["number"] for p in pool["spec"]["targetPorts"]]
+    assert len(set(numbers)) == len(numbers), "port number must be unique"
+
+
+def _check_route(m, group: str) -> None:
+    route = m.get("HTTPRoute", CTRL)
+    assert route["spec"]["parentRefs"] == [{"name": "inference-gateway"}]
+    (rule,) = route["spec"]["rules"]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}}]
+    assert rule["backendRefs"] == [{"group": group, "kind": "InferencePool", "name": CTRL}]
+    assert rule["timeouts"] == {"request": "600s"}
+
+
 def test_inference_pool_and_route(renderer, tmp_path):
+    """The default: the extension's GA API (inference.networking.k8s.io/v1)."""
     assert {k for _, k in crd_schemas()} == {"InferencePool", "HTTPRoute"}
+    assert {v for v, k in crd_schemas() if k == "InferencePool"} == {GA, ALPHA}
     m = renderer.render("gpu-values.yaml", _several(inferencePool=POOL), tmp_path=tmp_path)
     dep = m.get("Deployment", CTRL)
     pool = m.get("InferencePool", CTRL)
-    assert pool["apiVersion"] == "inference.networking.x-k8s.io/v1alpha2"
+    assert pool["apiVersion"] == GA
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+    labels = pool["spec"]["selector"]["matchLabels"]
+    assert labels == m.get("Service", CTRL)["spec"]["selector"]
+    assert selects(labels, pod_labels(dep))
+    assert pool["spec"]["endpointPickerRef"] == {
+        "name": "tandem-epp",
+        "port": {"number": 9002},
+        "failureMode": "FailClose",
+    }
+    _check_v1_cel_rules(pool)
+    _check_route(m, "inference.networking.k8s.io")
+    for doc in m.docs:
+        validate_k8s(doc)  # the two CRD objects against tests/deploy/crds
+
+
+def test_inference_pool_v1alpha2(renderer, tmp_path):
+    """Clusters with the extension's releases before v1.0 get the v1alpha2 shape."""
+    pool_values = {**POOL, "apiVersion": ALPHA}
+    m = renderer.render("gpu-values.yaml", _several(inferencePool=pool_values), tmp_path=tmp_path)
+    pool = m.get("InferencePool", CTRL)
+    assert pool["apiVersion"] == ALPHA
     assert pool["spec"]["targetPortNumber"] == 8000
     assert pool["spec"]["selector"] == m.get("Service", CTRL)["spec"]["selector"]
-    assert selects(pool["spec"]["selector"], pod_labels(dep))
+    assert selects(pool["spec"]["selector"], pod_labels(m.get("Deployment", CTRL)))
     assert pool["spec"]["extensionRef"] == {
         "name": "tandem-epp",
         "portNumber": 9002,
         "failureMode": "FailClose",
     }
-    route = m.get("HTTPRoute", CTRL)
-    assert route["spec"]["parentRefs"] == [{"name": "inference-gateway"}]
-    (rule,) = route["spec"]["rules"]
-    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}}]
-    assert rule["backendRefs"] == [
-        {"group": "inference.networking.x-k8s.io", "kind": "InferencePool", "name": CTRL}
-    ]
-    assert rule["timeouts"] == {"request": "600s"}
+    _check_route(m, "inference.networking.x-k8s.io")
     for doc in m.docs:
-        validate_k8s(doc)  # the two CRD objects against tests/deploy/crds
+        validate_k8s(doc)
 
 
 def test_inference_pool_without_route(renderer, tmp_path):
@@ -199,24 +238,50 @@ def test_inference_pool_without_route(renderer, tmp_path):
     validate_crd_object(m.get("InferencePool", CTRL))
 
 
+def test_inference_pool_api_version_is_checked(renderer, tmp_path):
+    pool = {**POOL, "apiVersion": "inference.networking.x-k8s.io/v1"}
+    with pytest.raises(RenderError, match="inferencePool.apiVersion"):
+        renderer.render(None, {"controller": {"inferencePool": pool}}, tmp_path=tmp_path)
+
+
+def _spoilt(doc: dict, spoil) -> dict:
+    doc = copy.deepcopy(doc)
+    spoil(doc)
+    return doc
+
+
 def test_crd_schemas_refuse_what_their_crds_refuse(renderer, tmp_path):
     """The kept schemas are live: a wrong field, value or missing one fails."""
     m = renderer.render("gpu-values.yaml", _several(inferencePool=POOL), tmp_path=tmp_path)
     pool, route = m.get("InferencePool", CTRL), m.get("HTTPRoute", CTRL)
+    alpha_values = {**POOL, "apiVersion": ALPHA}
+    alpha = renderer.render(
+        "gpu-values.yaml", _several(inferencePool=alpha_values), tmp_path=tmp_path
+    ).get("InferencePool", CTRL)
     bad = [
-        (pool, lambda d: d["spec"].update(targetPortNumber=70000)),
-        (pool, lambda d: d["spec"].pop("extensionRef")),
-        (pool, lambda d: d["spec"]["extensionRef"].update(failureMode="Sometimes")),
-        (pool, lambda d: d["spec"].update(targetPorts=[{"number": 8000}])),
+        (pool, lambda d: d["spec"].update(targetPorts=[{"number": 70000}])),
+        (pool, lambda d: d["spec"].update(targetPorts=[])),
+        (pool, lambda d: d["spec"].pop("selector")),
+        (pool, lambda d: d["spec"]["selector"].update(matchLabels={})),
+        (pool, lambda d: d["spec"]["endpointPickerRef"].update(failureMode="Sometimes")),
+        (pool, lambda d: d["spec"].update(targetPortNumber=8000)),  # the v1alpha2 field
+        (alpha, lambda d: d["spec"].update(targetPortNumber=70000)),
+        (alpha, lambda d: d["spec"].pop("extensionRef")),
+        (alpha, lambda d: d["spec"]["extensionRef"].update(failureMode="Sometimes")),
+        (alpha, lambda d: d["spec"].update(targetPorts=[{"number": 8000}])),  # the v1 field
         (route, lambda d: d["spec"]["rules"][0].update(timeouts={"request": "10 min"})),
         (route, lambda d: d["spec"]["parentRefs"][0].pop("name")),
         (route, lambda d: d["spec"]["rules"][0]["matches"][0]["path"].update(type="Prefix")),
     ]
     for doc, spoil in bad:
-        doc = copy.deepcopy(doc)
-        spoil(doc)
         with pytest.raises(AssertionError, match="invalid for its CRD"):
-            validate_k8s(doc)
+            validate_k8s(_spoilt(doc, spoil))
+    for spoil, message in [
+        (lambda d: d["spec"]["endpointPickerRef"].pop("port"), "port is required"),
+        (lambda d: d["spec"].update(targetPorts=[{"number": 1}, {"number": 1}]), "unique"),
+    ]:
+        with pytest.raises(AssertionError, match=message):
+            _check_v1_cel_rules(_spoilt(pool, spoil))
 
 
 def test_notes_name_the_controllers(renderer, tmp_path):
