@@ -18,16 +18,16 @@ then ends UNAVAILABLE, and ``on_device_failed`` turns its health to NOT_SERVING.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import grpc
 
 from common.host.device_errors import is_fatal_device_error
 from common.host.lease import LeaseHeld, LeaseLost, SessionLease
 from common.host.request_log import log_failed_requests, log_step_requests
+from common.host.step_pipeline import decoded_ahead, run_ahead
 from common.host.worker_base import WorkerBase
 from common.wire import convert
 from common.wire.ownership import OWNER_TRAILER, SECONDS_LEFT_TRAILER, SESSION_METADATA
@@ -282,7 +282,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             return step, self._execute(step, session, stream, owner)
 
         if self.worker.decode_steps_ahead:
-            outputs = _run_ahead(_decoded_ahead(request_iterator), execute)
+            outputs = run_ahead(decoded_ahead(request_iterator), execute)
         else:
             outputs = (execute(convert.step_from_pb(r)) for r in request_iterator)
         try:
@@ -340,68 +340,3 @@ class _StepAborted(Exception):
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(details)
         self.code, self.details = code, details
-
-
-_END = object()
-
-
-def _decoded_ahead(requests) -> Iterator[StepInput]:
-    """The stream's steps, read and converted from protobuf on a reader thread, so that a step
-    the controller sent ahead (pipelined) is ready when the one running ends: its decoding
-    overlaps the device's work instead of following it. An error reading the stream (it was
-    cancelled) is raised here, in order. The queue is unbounded: the controller bounds the steps
-    in flight."""
-    ready, _ = _on_thread((convert.step_from_pb(r) for r in requests), "step-reader")
-    yield from _drain(ready)
-
-
-def _run_ahead(steps: Iterator[StepInput], execute) -> Iterator:
-    """The outputs of ``execute`` over ``steps``, run on a thread of their own: while the
-    stream's thread converts and sends step N's result, the device already runs step N+1, as
-    an asynchronous executor would (the send waits for gRPC's write to complete). Errors,
-    ``_StepAborted`` included, are raised here after the outputs before them. When the consumer
-    stops (the stream ended), no further step is started."""
-    stopped = threading.Event()
-
-    def outputs():
-        for step in steps:
-            if stopped.is_set():
-                return
-            yield execute(step)
-
-    ready, runner = _on_thread(outputs(), "step-runner")
-    try:
-        yield from _drain(ready)
-    finally:
-        stopped.set()
-        runner.join(timeout=30)  # a step already started finishes before the stream counts closed
-
-
-def _on_thread(items: Iterator, name: str) -> tuple[queue.SimpleQueue, threading.Thread]:
-    """Iterate ``items`` on a daemon thread into a queue (see ``_drain``): its values in
-    order, then an exception it raised, then the end marker."""
-    ready: queue.SimpleQueue = queue.SimpleQueue()
-
-    def run() -> None:
-        try:
-            for item in items:
-                ready.put(item)
-        except Exception as exc:  # surfaced to the consumer, in order
-            ready.put(exc)
-        finally:
-            ready.put(_END)
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    return ready, thread
-
-
-def _drain(ready: queue.SimpleQueue) -> Iterator:
-    """What ``_on_thread`` queued, until its end; an exception it queued is raised here."""
-    while True:
-        item = ready.get()
-        if item is _END:
-            return
-        if isinstance(item, Exception):
-            raise item
-        yield item

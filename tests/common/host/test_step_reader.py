@@ -9,7 +9,8 @@ import time
 import grpc
 import pytest
 
-from common.host.servicer import _decoded_ahead, _run_ahead, _StepAborted
+from common.host.servicer import _StepAborted
+from common.host.step_pipeline import decoded_ahead, run_ahead
 from common.wire import convert
 from common.wire.step_types import StepInput, StepOutput
 
@@ -23,9 +24,9 @@ def _requests(n: int, fail_after: int | None = None, gate: threading.Event | Non
         yield convert.step_to_pb(StepInput(step_id=i))
 
 
-def test_steps_come_in_order_and_are_decoded_ahead():
+def test_steps_come_in_order_and_aredecoded_ahead():
     gate = threading.Event()
-    steps = _decoded_ahead(_requests(4, gate=gate))
+    steps = decoded_ahead(_requests(4, gate=gate))
     first = next(steps)
     assert first.step_id == 0
     gate.set()  # while step 0 "runs", the reader decodes the rest
@@ -33,7 +34,7 @@ def test_steps_come_in_order_and_are_decoded_ahead():
 
 
 def test_a_broken_stream_raises_after_the_steps_before_it():
-    steps = _decoded_ahead(_requests(5, fail_after=2))
+    steps = decoded_ahead(_requests(5, fail_after=2))
     assert next(steps).step_id == 0 and next(steps).step_id == 1
     with pytest.raises(RuntimeError, match="stream cancelled"):
         next(steps)
@@ -51,7 +52,7 @@ def _outputs(started: list[int], fail_at: int | None = None):
 
 def test_the_next_step_runs_while_a_result_is_being_sent():
     started: list[int] = []
-    outputs = _run_ahead(iter([StepInput(step_id=i) for i in range(3)]), _outputs(started))
+    outputs = run_ahead(iter([StepInput(step_id=i) for i in range(3)]), _outputs(started))
     assert next(outputs).step_id == 0
     deadline = time.monotonic() + 5
     while len(started) < 3 and time.monotonic() < deadline:
@@ -62,7 +63,7 @@ def test_the_next_step_runs_while_a_result_is_being_sent():
 
 def test_a_failed_step_raises_after_the_results_before_it():
     started: list[int] = []
-    outputs = _run_ahead(iter([StepInput(step_id=i) for i in range(5)]), _outputs(started, 1))
+    outputs = run_ahead(iter([StepInput(step_id=i) for i in range(5)]), _outputs(started, 1))
     assert next(outputs).step_id == 0
     with pytest.raises(_StepAborted, match="device fault"):
         next(outputs)
@@ -78,7 +79,7 @@ def test_no_step_starts_after_the_stream_ends():
         gate.wait(5)
         yield StepInput(step_id=1)
 
-    outputs = _run_ahead(steps(), _outputs(started))
+    outputs = run_ahead(steps(), _outputs(started))
     assert next(outputs).step_id == 0
     threading.Timer(0.1, gate.set).start()
     outputs.close()  # the stream's thread is gone (e.g. the call was cancelled)
