@@ -33,7 +33,7 @@ from controller.fleet.client import make_security
 from controller.fleet.discovery import Discovery
 from controller.fleet.fleet_model import FleetModel
 from controller.fleet.incarnations import Incarnations
-from controller.fleet.maintenance import Maintenance
+from controller.fleet.maintenance import FAILOVER_SETTLE, Maintenance
 from controller.fleet.membership import Membership
 from controller.fleet.ownership import new_owner_id
 from controller.fleet.peers import Peers
@@ -269,10 +269,9 @@ class Engine(Maintenance, Membership):
             self._fail_alone(tracked, f"the request cannot run: {exc}")
             return True
 
-    def _place_or_wait(self, tracked: Tracked, exclude: str | None = None) -> None:
-        """Place a request (not on the executor at `exclude`), or fail it alone, or let it wait
-        for an executor."""
-        if not self._place_or_fail(tracked, exclude):
+    def _place_or_wait(self, tracked: Tracked) -> None:
+        """Place a request, or fail it alone, or let it wait for an executor."""
+        if not self._place_or_fail(tracked):
             self._wait(tracked)
 
     def _place(
@@ -362,11 +361,19 @@ class Engine(Maintenance, Membership):
             tracked.num_moves += 1
             tracked.prompt_logprobs_skip = tracked.prompt_logprobs_sent
             tracked.lost_at = tracked.lost_at or now
-            self._place_or_wait(tracked, exclude=source)
+            # Held for FAILOVER_SETTLE before it is placed: executors that die together (one
+            # process or host) are found lost one by one, and a request placed at once could
+            # land on a sibling whose loss is not seen yet and count a loss it did not cause.
+            tracked.waiting_since = time.monotonic()
+            tracked.hold_until = tracked.waiting_since + FAILOVER_SETTLE
+            self.waiting[tracked.gen.request_id] = tracked
+        if moved:
+            asyncio.get_running_loop().call_later(FAILOVER_SETTLE, self._kick.set)
         log.info(
-            "failover from %s: %d requests moved, %d waiting for an executor",
+            "failover from %s: %d requests to move in %.2fs, %d waiting for an executor",
             source,
             len(moved),
+            FAILOVER_SETTLE,
             len(self.waiting),
         )
 

@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAINTAIN_PERIOD = 0.2  # seconds between passes over waiting and stuck requests
+# Seconds a request taken off a lost executor waits before it is placed again: long enough for
+# the losses of executors that die together (a process, a host: their streams break within
+# milliseconds of each other) to be seen first, short next to a resume by recompute.
+FAILOVER_SETTLE = 0.25
 
 
 class Maintenance:
@@ -69,6 +73,8 @@ class Maintenance:
             return
         now = time.monotonic()
         for rid, tracked in sorted(self.waiting.items(), key=lambda kv: kv[1].waiting_since):
+            if tracked.hold_until > now:  # just taken off a lost executor: settling
+                continue
             placed = self._place_or_fail(tracked)
             if placed:
                 del self.waiting[rid]

@@ -38,6 +38,7 @@ class Tracked:
     num_failovers: int = 0  # times its executor was lost under it (bounded: max_request_moves)
     lost_at: float = 0.0  # perf_counter when its executor was lost; 0 once resumed
     waiting_since: float = 0.0  # monotonic time it started waiting for an executor
+    hold_until: float = 0.0  # monotonic time before which it is not placed (failover settle)
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache where it started
     delivered: bool = False  # a delta went to the API handler already
     held: OutputDelta | None = None  # what a non-streamed request produced since its first

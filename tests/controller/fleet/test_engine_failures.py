@@ -12,6 +12,7 @@ import pytest
 from common.wire.step_types import SamplingParams
 from controller.core.outputs import GenerationRequest
 from controller.fleet.engine import Engine
+from controller.fleet.maintenance import FAILOVER_SETTLE
 from controller.fleet.tracked import track
 from controller.settings import ControllerConfig
 from controller.text.tokenizer import Tokenizer
@@ -59,5 +60,30 @@ def test_a_request_moved_past_the_bound_fails_and_the_others_move(tokenizer, def
             )._value.get()
             == 1
         )
+
+    asyncio.run(main())
+
+
+def test_a_moved_request_settles_before_it_is_placed(tokenizer, default_model_dir):
+    """Executors that die together are found lost one by one: a moved request waits
+    FAILOVER_SETTLE before placement, so it does not land on a sibling not yet seen lost."""
+
+    async def main() -> None:
+        engine = _engine(tokenizer, default_model_dir)
+        placed: list[str] = []
+
+        def place(tracked, exclude=None, startable_only=False) -> bool:
+            placed.append(tracked.gen.request_id)
+            return True
+
+        engine._place_or_fail = place
+        moved = track(_gen("moved-0-0"), tokenizer)
+        engine.relocate([moved], "127.0.0.1:9")
+        engine._place_waiting()
+        assert placed == [] and list(engine.waiting) == ["moved-0-0"]  # settling
+        await asyncio.sleep(FAILOVER_SETTLE + 0.05)
+        assert engine._kick.is_set()  # the pass is woken when the settle ends
+        engine._place_waiting()
+        assert placed == ["moved-0-0"] and engine.waiting == {}
 
     asyncio.run(main())
