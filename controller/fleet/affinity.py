@@ -14,7 +14,8 @@ coordination, and a controller joining or leaving moves only the keys it ranks f
 1/N of them). A hot key (one long system prompt shared by many clients) would send all its
 traffic to one controller, so the choice is bounded by load (consistent hashing with bounded
 loads, Mirrokni et al. 2018): a controller whose load (requests in flight) would exceed
-`load_factor` times the mean is passed over for the next one in the key's order. The hot key
+`load_factor` times the mean, plus a slack of LOAD_SLACK requests, is passed over for the next
+one in the key's order. The hot key
 then spreads over the controllers in a fixed order and is cached on each that takes it.
 """
 
@@ -27,6 +28,11 @@ from collections.abc import Mapping, Sequence
 from controller.fleet.division import rendezvous_order
 
 KEY_BLOCK = 16  # tokens per block of a short prompt's key (the common KV block size)
+# Requests a controller may hold beyond load_factor x the mean: at low load a few more on the
+# home cost nothing, where without this slack the noise of a handful of requests in flight
+# (8 over 2 controllers: 5 on one half the time) sent cold keys away from their home and lost
+# their cache hits (benchmarks/README.md, "Prefix affinity across controllers").
+LOAD_SLACK = 4
 
 
 def routing_key(tokens: Sequence[int], key_tokens: int) -> str | None:
@@ -41,9 +47,9 @@ def routing_key(tokens: Sequence[int], key_tokens: int) -> str | None:
 
 def load_bound(loads: Mapping[str, int], load_factor: float) -> int:
     """The most requests in flight a controller may hold and still take a new one: the mean
-    load with the new request counted, times `load_factor`, rounded up (at least 1)."""
+    load with the new request counted, times `load_factor`, plus LOAD_SLACK, rounded up."""
     total = sum(loads.values()) + 1
-    return max(1, math.ceil(load_factor * total / max(len(loads), 1)))
+    return math.ceil(load_factor * total / max(len(loads), 1) + LOAD_SLACK)
 
 
 def home_of(key: str, loads: Mapping[str, int], load_factor: float) -> str:
