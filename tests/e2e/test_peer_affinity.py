@@ -3,13 +3,15 @@ as peers (API keys on) over four simulated executors. A request sent to the cont
 not its prompt's home is forwarded to the home (non-streamed and streamed answers equal to a
 direct request at the home, the home's metrics count it); the second request of a prefix group
 finds the prefix cached even when it lands on the other controller; keys are enforced on both
-hops; a forged forwarding header neither loops nor bypasses the key; with the home gone the
-request is served where it landed."""
+hops; a forged forwarding header neither loops nor bypasses the key; a client leaving a
+forwarded stream frees the home's blocks; with the home frozen or gone the request is served
+where it landed."""
 
 from __future__ import annotations
 
 import random
 import signal
+import time
 
 import httpx
 import openai
@@ -47,6 +49,12 @@ def served(server) -> float:
 
 def prefix_hits(servers) -> float:
     return sum(metric_sum(metrics_text(s), "vllm:prefix_cache_hits_total") for s in servers)
+
+
+def idle_blocks(server) -> bool:
+    """No request runs or waits on the executors it drives, and none holds a KV block."""
+    states = [e for e in server.executors_state() if e["owned"]]
+    return all(e["running"] == e["waiting"] == e["used_blocks"] == 0 for e in states)
 
 
 def prompt_homed_at(home: str, keys: list[str], rng: random.Random, length: int = 300):
@@ -132,6 +140,29 @@ def test_requests_meet_at_their_prompts_home(default_model_dir, tmp_path):
         assert ok.status_code == 200, ok.text
         assert outcome(a, "for_peer") == a_for_peer + 1  # served at a, no hop
         assert outcome(b, "for_peer") == b_for_peer
+
+        # A client that leaves a forwarded stream: the home aborts it, no block stays in use.
+        stream = client(a).completions.create(
+            model=a.model_name,
+            prompt=at_b,
+            max_tokens=5000,  # >= 10 s of 2 ms steps: the wait below is shorter
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        next(iter(stream))
+        stream.close()
+        wait_until(lambda: idle_blocks(b), 5, "b's executors idle, no block in use", logs=tmp)
+
+        # The home frozen after it accepted the connection: served here once it leaves the
+        # live set (3 probe periods), not held until it wakes.
+        b.controller.send_signal(signal.SIGSTOP)
+        here = outcome(a, "fallback") + outcome(a, "local")
+        started = time.monotonic()
+        assert greedy_text(a, at_b) == direct
+        frozen_for = time.monotonic() - started
+        assert outcome(a, "fallback") + outcome(a, "local") == here + 1
+        assert frozen_for < 3 * PROBE + 10.0  # the peer window, a probe, a loaded machine
+        print(f"\nhome frozen: served by the receiving controller after {frozen_for:.2f}s")
 
         # The home gone: served where it landed.
         b.controller.send_signal(signal.SIGKILL)
