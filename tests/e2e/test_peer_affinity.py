@@ -5,12 +5,14 @@ direct request at the home, the home's metrics count it); the second request of 
 finds the prefix cached even when it lands on the other controller; keys are enforced on both
 hops; a forged forwarding header neither loops nor bypasses the key; a client leaving a
 forwarded stream frees the home's blocks; with the home frozen or gone the request is served
+where it landed, and a forwarded non-streamed request whose home is killed under it runs again
 where it landed."""
 
 from __future__ import annotations
 
 import random
 import signal
+import threading
 import time
 
 import httpx
@@ -55,6 +57,23 @@ def idle_blocks(server) -> bool:
     """No request runs or waits on the executors it drives, and none holds a KV block."""
     states = [e for e in server.executors_state() if e["owned"]]
     return all(e["running"] == e["waiting"] == e["used_blocks"] == 0 for e in states)
+
+
+def running(server) -> int:
+    return sum(e["running"] for e in server.executors_state() if e["owned"])
+
+
+def post_json(server, body: dict) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": server.model_name, **body}
+    return httpx.post(server.base_url + "/v1/completions", json=body, headers=headers, timeout=120)
+
+
+def b_is_home_again(a, prompt: list[int]) -> bool:
+    """A request sent to a whose home is b is forwarded again (b answers a's probes)."""
+    before = outcome(a, "forwarded")
+    assert post(a, prompt, {"Authorization": f"Bearer {KEY}"}).status_code == 200
+    return outcome(a, "forwarded") == before + 1
 
 
 def prompt_homed_at(home: str, keys: list[str], rng: random.Random, length: int = 300):
@@ -164,9 +183,26 @@ def test_requests_meet_at_their_prompts_home(default_model_dir, tmp_path):
         assert frozen_for < 3 * PROBE + 10.0  # the peer window, a probe, a loaded machine
         print(f"\nhome frozen: served by the receiving controller after {frozen_for:.2f}s")
 
-        # The home gone: served where it landed.
+        # The home killed while a forwarded non-streamed request runs there: the connection
+        # breaks before any byte of the answer (its headers come when it is complete), so the
+        # request runs again here and its client gets the whole answer.
+        b.controller.send_signal(signal.SIGCONT)
+        wait_until(lambda: b_is_home_again(a, at_b), 30, "b live again in a's view", logs=tmp)
+        long = {"prompt": at_b, "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+        result: list = []
+        fallbacks = outcome(a, "fallback")
+        runner = threading.Thread(target=lambda: result.append(post_json(a, long)))
+        runner.start()
+        wait_until(lambda: running(b) > 0, 30, "the forwarded request running on b", logs=tmp)
         b.controller.send_signal(signal.SIGKILL)
         b.controller.wait(timeout=30)
+        runner.join(timeout=120)
+        (answer,) = result
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 3000
+        assert outcome(a, "fallback") == fallbacks + 1  # run again here
+
+        # The home gone: served where it landed.
         here = outcome(a, "fallback") + outcome(a, "local")
         forwarded = outcome(a, "forwarded")
         assert greedy_text(a, at_b) == direct
