@@ -16,6 +16,11 @@ waits until all R run, then measures over a steady window:
   requests they scheduled.
 
     python benchmarks/controlplane.py --running 16,64,256 --executors 1,4,16 --json cp.json
+
+With `--controllers 1,2,4` each point runs with that many controllers as peers dividing the
+executors (benchmarks/multi_controller.py); the load generator spreads its requests over them
+round robin, CPU figures are summed over them, and a last table gives each point's steps/s and
+busy fraction as ratios to one controller.
 """
 
 from __future__ import annotations
@@ -35,6 +40,12 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.multi_controller import (  # noqa: E402
+    fleet_state_all,
+    start_controllers,
+    stop_all,
+    wait_divided,
+)
 from common.wire.model_config import load_model_geometry  # noqa: E402
 from tests.support.processes import (  # noqa: E402
     LiveServer,
@@ -42,7 +53,6 @@ from tests.support.processes import (  # noqa: E402
     free_port,
     model_dir,
     read_ports_files,
-    spawn_controller,
     spawn_process,
     wait_until,
 )
@@ -79,6 +89,7 @@ class PointResult:
     bytes_per_request_decode: float  # StepRequest bytes per request in pure decode steps
     bytes_per_request_all: float  # StepRequest bytes per scheduled request, every step
     running_at_end: int  # requests the controller reported running after the window
+    controllers: int = 1  # controllers dividing the executors (CPU figures: their sum)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -108,15 +119,15 @@ def scrape_sim(client: httpx.Client, port: int) -> dict[str, float]:
     return values
 
 
-def snapshot(client: httpx.Client, ports: list[int], controller_pid: int) -> dict[str, float]:
-    """Wall time, controller CPU and the sims' counters summed over executors."""
+def snapshot(client: httpx.Client, ports: list[int], pids: list[int]) -> dict[str, float]:
+    """Wall time, the controllers' CPU and the sims' counters summed over executors."""
     totals = dict.fromkeys(SIM_COUNTERS, 0.0)
     for port in ports:
         for name, value in scrape_sim(client, port).items():
             if name in totals:
                 totals[name] += value
-    totals["cpu"] = cpu_seconds(controller_pid)
-    totals["runq"] = run_queue_seconds(controller_pid)
+    totals["cpu"] = sum(cpu_seconds(pid) for pid in pids)
+    totals["runq"] = sum(run_queue_seconds(pid) for pid in pids)
     totals["wall"] = time.perf_counter()
     return totals
 
@@ -130,7 +141,7 @@ def fleet_state(base_url: str) -> tuple[int, int, int]:
 
 
 async def keep_in_flight(
-    base_url: str,
+    base_urls: list[str],
     model: str,
     running: int,
     input_len: int,
@@ -138,11 +149,14 @@ async def keep_in_flight(
     vocab: int,
     stop: asyncio.Event,
 ) -> None:
-    """Keep `running` non-streamed completions in flight until `stop` (then abort them)."""
+    """Keep `running` non-streamed completions in flight until `stop` (then abort them),
+    sent to the controllers in turn."""
     rng = random.Random(0)
+    turn = iter(range(1 << 62))
 
     async def worker(client: httpx.AsyncClient) -> None:
         while not stop.is_set():
+            base_url = base_urls[next(turn) % len(base_urls)]
             prompt = [rng.randrange(100, vocab) for _ in range(input_len)]
             body = {
                 "model": model,
@@ -177,7 +191,7 @@ async def keep_in_flight(
 
 
 def measure(
-    before: dict, after: dict, executors: int, running: int, running_at_end: int
+    before: dict, after: dict, executors: int, running: int, running_at_end: int, controllers=1
 ) -> PointResult:
     """The PointResult of the window between two snapshots."""
     d = {k: after[k] - before[k] for k in before}
@@ -199,6 +213,7 @@ def measure(
         / max(d["decode_scheduled_requests"], 1.0),
         bytes_per_request_all=d["step_request_bytes"] / max(d["scheduled_requests"], 1.0),
         running_at_end=running_at_end,
+        controllers=controllers,
     )
 
 
@@ -231,26 +246,21 @@ def run_point(
     metric_ports: list[int],
     running: int,
     vocab: int,
+    controllers: int = 1,
 ) -> PointResult:
-    """Start a controller on the running sims, load it, measure the window, stop it."""
-    server: LiveServer = spawn_controller(
-        a.model, tmp, controller_args(a, ports, running), name=f"controller-{len(ports)}x{running}"
-    )
+    """Start the controllers on the running sims, load them, measure the window, stop them."""
+    name = f"controller-{len(ports)}x{running}x{controllers}"
+    servers = start_controllers(a.model, tmp, controller_args(a, ports, running), controllers, name)
     try:
-        wait_until(
-            lambda: fleet_state(server.base_url)[0] == len(ports),
-            a.settle_timeout,
-            f"{len(ports)} healthy executors",
-            logs=tmp,
-        )
-        return asyncio.run(_drive(a, server, len(ports), metric_ports, running, vocab, tmp))
+        wait_divided(servers, len(ports), a.settle_timeout, tmp)
+        return asyncio.run(_drive(a, servers, len(ports), metric_ports, running, vocab, tmp))
     finally:
-        server.stop()
+        stop_all(servers)
 
 
 async def _drive(
     a: argparse.Namespace,
-    server: LiveServer,
+    servers: list[LiveServer],
     executors: int,
     metric_ports: list[int],
     running: int,
@@ -260,12 +270,18 @@ async def _drive(
     stop = asyncio.Event()
     load = asyncio.create_task(
         keep_in_flight(
-            server.base_url, server.model_name, running, a.input_len, a.output_len, vocab, stop
+            [s.base_url for s in servers],
+            servers[0].model_name,
+            running,
+            a.input_len,
+            a.output_len,
+            vocab,
+            stop,
         )
     )
 
     def steady() -> bool:
-        _, now_running, waiting = fleet_state(server.base_url)
+        _, now_running, waiting = fleet_state_all(servers)
         return now_running >= running and waiting == 0
 
     try:
@@ -274,15 +290,15 @@ async def _drive(
         )
         await asyncio.sleep(a.settle)
         with httpx.Client() as client:
-            pid = server.controller.pid
-            before = await asyncio.to_thread(snapshot, client, metric_ports, pid)
+            pids = [s.controller.pid for s in servers]
+            before = await asyncio.to_thread(snapshot, client, metric_ports, pids)
             await asyncio.sleep(a.window)
-            after = await asyncio.to_thread(snapshot, client, metric_ports, pid)
-        _, at_end, _ = await asyncio.to_thread(fleet_state, server.base_url)
+            after = await asyncio.to_thread(snapshot, client, metric_ports, pids)
+        _, at_end, _ = await asyncio.to_thread(fleet_state_all, servers)
     finally:
         stop.set()
         await load
-    return measure(before, after, executors, running, at_end)
+    return measure(before, after, executors, running, at_end, len(servers))
 
 
 def start_sims(a: argparse.Namespace, tmp: str, count: int) -> tuple[list, list[int], list[int]]:
@@ -346,14 +362,14 @@ def stop_processes(procs: list) -> None:
 def format_table(points: list[PointResult]) -> str:
     """The results as an aligned text table."""
     head = (
-        f"{'execs':>5} {'running':>7} {'busy%':>6} {'ideal%':>6} {'steps/s':>8} "
+        f"{'ctls':>4} {'execs':>5} {'running':>7} {'busy%':>6} {'ideal%':>6} {'steps/s':>8} "
         f"{'tok/s':>8} {'batch':>6} {'ctl_cpu%':>8} {'ctl_wait%':>9} {'cpu_ms/step':>11} "
         f"{'cpu_us/tok':>10} {'B/req/decode':>12}"
     )
     rows = [head]
     for p in points:
         rows.append(
-            f"{p.executors:>5} {p.running:>7} {100 * p.busy_fraction:>6.1f} "
+            f"{p.controllers:>4} {p.executors:>5} {p.running:>7} {100 * p.busy_fraction:>6.1f} "
             f"{100 * p.modeled_fraction:>6.1f} {p.steps_per_s:>8.1f} {p.tokens_per_s:>8.0f} "
             f"{p.batch_per_step:>6.1f} {100 * p.controller_cpu_util:>8.1f} "
             f"{100 * p.controller_wait_frac:>9.1f} "
@@ -361,6 +377,23 @@ def format_table(points: list[PointResult]) -> str:
             f"{p.bytes_per_request_decode:>12.1f}"
         )
     return "\n".join(rows)
+
+
+def format_ratios(points: list[PointResult]) -> str:
+    """Each point's steps/s and busy fraction as ratios to the same point with one controller
+    ("" when there is none, or only one controller was measured)."""
+    ones = {(p.executors, p.running): p for p in points if p.controllers == 1}
+    rows = [f"{'ctls':>4} {'execs':>5} {'running':>7} {'steps/s x':>9} {'busy x':>7}"]
+    for p in points:
+        one = ones.get((p.executors, p.running))
+        if one is None or p.controllers == 1:
+            continue
+        steps = p.steps_per_s / max(one.steps_per_s, 1e-9)
+        busy = p.busy_fraction / max(one.busy_fraction, 1e-9)
+        rows.append(
+            f"{p.controllers:>4} {p.executors:>5} {p.running:>7} {steps:>9.2f} {busy:>7.2f}"
+        )
+    return "\n".join(rows) if len(rows) > 1 else ""
 
 
 def _ints(text: str) -> list[int]:
@@ -381,6 +414,12 @@ def main(argv=None) -> None:
         type=_ints,
         default=[1, 4, 16],
         help="simulated executors, comma-separated (e.g. 1,4,16,64)",
+    )
+    p.add_argument(
+        "--controllers",
+        type=_ints,
+        default=[1],
+        help="controllers dividing the executors, comma-separated (e.g. 1,2,4)",
     )
     p.add_argument("--window", type=float, default=5.0, help="seconds measured per point")
     p.add_argument(
@@ -423,14 +462,18 @@ def main(argv=None) -> None:
             procs, ports, metric_ports = start_sims(a, tmp, count)
             try:
                 for running in a.running:
-                    if running < count:
-                        continue
-                    point = run_point(a, tmp, ports, metric_ports, running, vocab)
-                    points.append(point)
-                    print(format_table([point]).splitlines()[-1], file=sys.stderr, flush=True)
+                    for controllers in a.controllers:
+                        if running < count or count < controllers:
+                            continue
+                        point = run_point(a, tmp, ports, metric_ports, running, vocab, controllers)
+                        points.append(point)
+                        print(format_table([point]).splitlines()[-1], file=sys.stderr, flush=True)
             finally:
                 stop_processes(procs)
     print(format_table(points))
+    ratios = format_ratios(points)
+    if ratios:
+        print("\nratios to one controller:\n" + ratios)
     if a.json:
         config = {k: v for k, v in vars(a).items() if k not in ("json", "log_dir")}
         with open(a.json, "w") as f:

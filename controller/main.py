@@ -9,6 +9,7 @@ from common.hub.files import CONTROLLER
 from common.hub.resolve import resolve_or_exit
 from common.logs import configure_logging
 from controller.api.admission import Admission, AdmissionLimits
+from controller.api.forwarding import Forwarder
 from controller.api.http_guard import HTTPStats
 from controller.api.http_server import HTTPCollector, uvicorn_config
 from controller.api.server import create_app
@@ -46,8 +47,9 @@ def build_server(config: ControllerConfig, model_dir: str = "") -> GracefulServe
     admission = Admission(
         AdmissionLimits(config.max_queued_requests, config.max_queued_tokens, config.retry_after)
     )
+    forwarder = Forwarder(config, engine.peers, engine.metrics.registry)
     serving = OpenAIServing(
-        engine, tokenizer, config.served_model_name, config.max_logprobs, admission
+        engine, tokenizer, config.served_model_name, config.max_logprobs, admission, forwarder
     )
     http_stats = HTTPStats()
     engine.metrics.registry.register(HTTPCollector(http_stats))

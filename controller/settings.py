@@ -13,6 +13,7 @@ from common.hub.reference import default_served_name
 from common.hub.settings import ModelSourceSettings
 from common.settings import SettingError, derived, setting
 from common.wire.rpc_token import read_token
+from controller.affinity_settings import AffinitySettings
 from controller.limit_settings import LimitSettings
 
 DEFAULT_EXECUTOR = "127.0.0.1:50051"  # the executor of a controller given no other
@@ -43,9 +44,10 @@ def _limit_specs(values: list[str]) -> list[str]:
     return specs
 
 
-class ControllerConfig(ModelSourceSettings, LimitSettings):
+class ControllerConfig(ModelSourceSettings, LimitSettings, AffinitySettings):
     """How the controller serves and schedules (the model and where it comes from:
-    ModelSourceSettings; what clients and requests may cost: LimitSettings)."""
+    ModelSourceSettings; what clients and requests may cost: LimitSettings; which controller
+    serves a request, with peers: AffinitySettings)."""
 
     served_model_name: str = setting(
         "", "name clients use; '' = the model id or the directory's name"

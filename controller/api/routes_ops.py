@@ -4,7 +4,8 @@
 `{"status": ...}`, nothing about the fleet. The fleet's details (executor addresses, load,
 admission) are under `/admin/`, behind the admin gate (`controller/api/auth.py` `AdminAuth`).
 `/peer` is for the other controllers' probes, unauthenticated: this controller's advertised
-address, owner id and the number of executors it drives, no executor address.
+address, owner id, the number of executors it drives and its load (responses in flight), no
+executor address.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def add_ops_routes(app: FastAPI, engine: Engine, admission: Admission) -> None:
     async def peer():
         # For the other controllers' probes (controller/fleet/peers.py): 200 while this
         # controller serves, 503 while it drains (its peers then take its executors).
+        # Its load (responses in flight) bounds what prefix affinity sends it (forwarding.py).
         code = 503 if admission.draining else 200
-        return JSONResponse(engine.peer_state(), status_code=code)
+        return JSONResponse({**engine.peer_state(), "load": admission.active}, status_code=code)
 
     @app.get("/admin/health")
     async def health_details():

@@ -37,6 +37,8 @@ def create_app(
         yield
         if start_engine:
             await engine.stop()
+        if serving.forwarder is not None:
+            await serving.forwarder.close()
 
     app = FastAPI(title="Tandem", version=VERSION, lifespan=lifespan)
     _add_middleware(app, engine.config, http_stats)

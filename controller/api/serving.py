@@ -6,6 +6,8 @@ Each stage is bounded before the next one allocates:
    messages and tools;
 2. the prompt: text longer than the token bound can cover is refused before it is tokenized,
    then its token count is bounded;
+2a. prefix affinity across controllers (forwarding.py): with peers, a request whose prompt
+   hashes to another controller is sent there and its answer passed back;
 2b. structured-output constraints (constraints.py): each bounded in size, then compiled off
    the event loop (or found in the cache); a refused one is a 400;
 3. admission (admission.py): the request takes its share of the queue bounds, 429 beyond them,
@@ -33,6 +35,7 @@ from controller.api.constraints import ConstraintCompiler, grammar_limits
 from controller.api.deltas import DeltaQueue
 from controller.api.errors import APIError, encodable, quote
 from controller.api.formats import Prompt
+from controller.api.forwarding import Forwarder
 from controller.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from controller.api.request_ids import request_ids
 from controller.api.streaming import (
@@ -68,11 +71,13 @@ class OpenAIServing:
         model_name: str,
         max_logprobs: int,
         admission: Admission | None = None,
+        forwarder: Forwarder | None = None,
     ):
         self.engine = engine  # the engine
         self.tokenizer = tokenizer  # the model's tokenizer
         self.model_name = model_name  # served name
         self.admission = admission or Admission(AdmissionLimits())  # queue bounds, shutdown
+        self.forwarder = forwarder  # sends a request to its home controller (None: no peers)
         self.limits = limits.RequestLimits.from_config(engine.config, max_logprobs)  # per request
         # Most characters one token covers (None: no such bound for this tokenizer).
         self.chars_per_token = chars_per_token_bound(getattr(tokenizer, "backend", None))
@@ -202,6 +207,13 @@ class OpenAIServing:
         capacity = self._capacity()
         budget = self.limits.max_prompt_tokens
         return min(capacity, budget) if capacity > 0 else budget
+
+    async def _forwarded(self, http: HTTPRequest, tokens: list[int]) -> Response | None:
+        """The home controller's answer when this prompt's home is another (forwarding.py)."""
+        if self.forwarder is None:
+            return None
+        stall = self.limits.stream_stall_timeout
+        return await self.forwarder.route(http, tokens, self.admission.active, stall)
 
     # --- admission and waiting ------------------------------------------------------------
 
@@ -337,6 +349,9 @@ class OpenAIServing:
         opts = self._options(req, req.max_tokens, req.logprobs, prompt_lp, http)
         self.check_draining()
         prompts = self._completion_prompts(req)
+        forwarded = await self._forwarded(http, prompts[0].token_ids)
+        if forwarded is not None:
+            return forwarded
         opts.grammars = await self.constraints.request_grammars(
             req.response_format, req.structured_outputs
         )
@@ -368,6 +383,9 @@ class OpenAIServing:
             messages, req.add_generation_prompt, shown, req.chat_template_kwargs
         )
         ids = self.encode(text, "messages", add_special_tokens=False, tokens=self._prompt_bound())
+        forwarded = await self._forwarded(http, ids)
+        if forwarded is not None:
+            return forwarded
         opts.grammars = await self.constraints.request_grammars(
             req.response_format,
             req.structured_outputs,

@@ -64,6 +64,7 @@ class PeerAnswer:
     key: str  # the address the peer advertises: its name in the division
     owner: str  # its owner id (executors know it by this)
     at: float  # when it answered (the caller's clock)
+    load: int = 0  # the requests it had in flight then (prefix affinity's load bound)
 
 
 class PeerTable:
@@ -74,9 +75,10 @@ class PeerTable:
         self.window = window  # seconds after its last good answer that a peer stays live
         self.answers: dict[str, PeerAnswer] = {}  # probe address -> its last good answer
 
-    def answered(self, found_at: str, key: str, owner: str, now: float) -> None:
-        """The peer at probe address `found_at` answered: it advertises `key`."""
-        self.answers[found_at] = PeerAnswer(key, owner, now)
+    def answered(self, found_at: str, key: str, owner: str, now: float, load: int = 0) -> None:
+        """The peer at probe address `found_at` answered: it advertises `key` and has `load`
+        requests in flight."""
+        self.answers[found_at] = PeerAnswer(key, owner, now, load)
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the answers of probe addresses not in `keep` (they left discovery)."""
@@ -91,6 +93,15 @@ class PeerTable:
             if now - answer.at <= self.window:
                 keys.add(answer.key)
         return sorted(keys)
+
+    def loads(self, now: float) -> dict[str, int]:
+        """The live peers' keys (not this controller's) with the load of their latest answer."""
+        latest: dict[str, PeerAnswer] = {}
+        for answer in self.answers.values():
+            if now - answer.at <= self.window and answer.key != self.self_key:
+                if answer.key not in latest or answer.at > latest[answer.key].at:
+                    latest[answer.key] = answer
+        return {key: answer.load for key, answer in latest.items()}
 
     def owner_of(self, key: str) -> str:
         """The owner id last heard from the controller advertising `key` ("" if unknown)."""

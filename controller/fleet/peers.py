@@ -4,7 +4,8 @@ executors between the live ones.
 Peers come from `--peer` (static), `--peer-dns` (every record of a name, e.g. a headless
 Service) and `--peer-file`, re-resolved every `discovery_interval` (discovery.py). Each is
 probed every `peer_probe_interval` with `GET /peer` (routes_ops.py), which a controller answers
-200 with its advertised address and owner id while it serves and is not draining. A peer is live
+200 with its advertised address, owner id and load (requests in flight, for prefix affinity's
+load bound) while it serves and is not draining. A peer is live
 while its last good answer is at most `LIVE_PERIODS` probe periods old (division.PeerTable);
 the controller itself is always live in its own view, and an answer carrying its own owner id
 (its own address listed among the peers) is recognised and skipped. When the live set changes,
@@ -71,6 +72,12 @@ class Peers:
         """executor address -> the key of the live controller that drives it."""
         return divide(executors, self.live)
 
+    def loads(self) -> dict[str, int]:
+        """The live peers (this controller not included) and the requests each had in flight
+        at its last answer (prefix affinity's load bound, fleet/affinity.py)."""
+        loads = self.table.loads(time.monotonic())
+        return {key: loads.get(key, 0) for key in self.live if key != self.self_key}
+
     def owner_of(self, key: str) -> str:
         """The owner id of the peer advertising `key` ("" if unknown)."""
         return self.table.owner_of(key)
@@ -113,7 +120,9 @@ class Peers:
         if key == self.self_key:
             log.warning("peer %s advertises this controller's own address %s", address, key)
             return
-        self.table.answered(address, key, owner, time.monotonic())
+        load = answer.get("load", 0)
+        load = load if isinstance(load, int) and load >= 0 else 0
+        self.table.answered(address, key, owner, time.monotonic(), load)
 
 
 def _unverified_tls() -> ssl.SSLContext:

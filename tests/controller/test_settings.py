@@ -171,6 +171,7 @@ def test_every_setting_has_its_variable(tmp_path):
         "api_key_files": "",
         "admin_api_key_files": "",
         "auth_exempt_paths": "/a,/b",
+        "peer_affinity_load_factor": "1.5",
     }
     for name, field in ControllerConfig.model_fields.items():
         if not fields.is_setting(field) or not fields.reads_env(field):
