@@ -57,9 +57,9 @@ def stats_socket(run_dir: str) -> str:
     return os.path.join(run_dir, SOCKET_NAME)
 
 
-def server_states(socket_path: str, timeout: float = 2.0) -> dict[str, str]:
-    """Each controller's state as haproxy sees it now (server name -> "UP", "DOWN",
-    "UP 1/2", "NOLB", ...), from `show stat` on the admin socket."""
+def stat_rows(socket_path: str, timeout: float = 2.0) -> list[dict[str, str]]:
+    """haproxy's `show stat` on its admin socket: one row per frontend, backend and server,
+    keyed by the CSV header's names (svname, status, wretr, wredis, ...)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(socket_path)
@@ -67,12 +67,13 @@ def server_states(socket_path: str, timeout: float = 2.0) -> dict[str, str]:
         chunks = []
         while chunk := sock.recv(65536):
             chunks.append(chunk)
-    lines = b"".join(chunks).decode().splitlines()
+    lines = [line for line in b"".join(chunks).decode().splitlines() if line]
     header = lines[0].lstrip("# ").split(",")
-    name, kind, status = header.index("svname"), header.index("type"), header.index("status")
-    states = {}
-    for line in lines[1:]:
-        fields = line.split(",")
-        if len(fields) > status and fields[kind] == "2":  # type 2: a server
-            states[fields[name]] = fields[status]
-    return states
+    return [dict(zip(header, line.split(","))) for line in lines[1:]]
+
+
+def server_states(socket_path: str, timeout: float = 2.0) -> dict[str, str]:
+    """Each controller's state as haproxy sees it now (server name -> "UP", "DOWN",
+    "UP 1/2", "NOLB", ...)."""
+    rows = stat_rows(socket_path, timeout)
+    return {r["svname"]: r["status"] for r in rows if r.get("type") == "2"}  # 2: a server

@@ -34,6 +34,10 @@ class LiveBalancer:
         """Server name -> UP / DOWN ... as haproxy sees it now."""
         return balancer.server_states(self.socket_path)
 
+    def stats(self) -> list[dict[str, str]]:
+        """`show stat` rows (frontend, backend, each server)."""
+        return balancer.stat_rows(self.socket_path)
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)  # a hard stop: the test is over

@@ -96,6 +96,8 @@ def test_a_refused_or_dropped_post_is_replayed_on_the_other_server(tmp_path, mod
             resp = httpx.post(live.base_url + "/v1/completions", content=body, timeout=30)
             assert resp.status_code == 200 and resp.text == "50000"
             assert resp.headers["x-tandem-controller"] == "good"
+        backend = [r for r in live.stats() if r["svname"] == "BACKEND"]
+        assert int(backend[0]["wretr"]) + int(backend[0]["wredis"]) >= 1  # replayed
         good.shutdown()
         good.server_close()  # gone: haproxy marks it DOWN within fall x inter
         wait_until(lambda: live.states()["good"] == "DOWN", 10, "good DOWN")
