@@ -29,7 +29,10 @@ class BalancerOptions:
     check_interval_ms: int = 1000  # GET /health every second on each controller...
     check_fall: int = 2  # ...DOWN after 2 failed checks (a dead one is out within ~2 s)...
     check_rise: int = 1  # ...UP again after 1 good one (a restarted one takes work at once)
-    connect_timeout_ms: int = 2000  # a controller that accepts no connection in 2 s is skipped
+    # A controller that accepts no connection within this is skipped. haproxy also waits
+    # min(this, 1 s) before retrying a failed connection under leastconn, so it is short: a
+    # connection to a live controller is the kernel's work, not the process's.
+    connect_timeout_ms: int = 500
     # Inactivity bound on a response: a non-streamed completion sends nothing until it ends, so
     # this is long; the controller bounds a request's own time (its limits and its timeouts).
     server_timeout_s: int = 3600
@@ -61,8 +64,8 @@ def _global(o: BalancerOptions) -> list[str]:
         f"    stats socket {o.stats_socket} mode 600 level admin",
         # A soft stop waits for open streams (the controllers drain theirs first), not forever.
         f"    hard-stop-after {o.hard_stop_s}s",
-        # Server UP/DOWN transitions go to stderr, which the launcher passes through.
-        "    log stderr format short local0 notice",
+        # No log section: in the foreground haproxy writes its warnings (a server going DOWN
+        # or UP, with the reason) to stderr itself, which the launcher passes through.
         *(f"    {line}" for line in o.extra_global),
         "",
     ]
@@ -72,8 +75,6 @@ def _defaults(o: BalancerOptions) -> list[str]:
     return [
         "defaults",
         "    mode http",
-        "    log global",
-        "    option dontlognull",
         f"    timeout connect {o.connect_timeout_ms}ms",
         f"    timeout client {o.client_timeout_s}s",
         f"    timeout server {o.server_timeout_s}s",
@@ -100,6 +101,10 @@ def _defaults(o: BalancerOptions) -> list[str]:
 
 def _frontend(o: BalancerOptions) -> list[str]:
     check = f"check inter {o.check_interval_ms}ms fall {o.check_fall} rise {o.check_rise}"
+    # A connection refused or timed out in live traffic marks the controller DOWN at once
+    # (a killed or exited one), without waiting for `fall` failed checks; a good check brings
+    # it back.
+    check += " observe layer4 error-limit 1 on-error mark-down"
     return [
         "frontend tandem",
         f"    bind {o.bind}",

@@ -1,12 +1,13 @@
 """`tandem serve`: a model served locally, as `make run` and `make fleet` do.
 
 The executor(s) --executor names run as child processes on 127.0.0.1 (gpu: CUDA, else the
-CPU; tpu: a TPU, else XLA:CPU; both: the two, the TPU one on --executor-port + 1) and the
-controller in front of them takes every flag serve does not know. With --controllers N > 1,
-N controllers (peers of each other, on loopback ports of their own) divide the executors, and
-haproxy on --host:--port balances the clients across them (tandem/balancer.py). Without
---model the default model is served, converted on first use. SIGINT/SIGTERM stop the children
-(the controllers drain first); a child that dies stops the others and serve exits non-zero.
+CPU; tpu: a TPU, else XLA:CPU; both: the two, the TPU one on --executor-port + 1; sim: a
+simulated device, for the control plane alone) and the controller in front of them takes every
+flag serve does not know. With --controllers N > 1, N controllers (peers of each other, on
+loopback ports of their own) divide the executors, and haproxy on --host:--port balances the
+clients across them (tandem/balancer.py). Without --model the default model is served,
+converted on first use. SIGINT/SIGTERM stop the children (the controllers drain first); a
+child that dies stops the others and serve exits non-zero.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ EXECUTOR_MODULES = {
     "gpu": ("executor_gpu",),
     "tpu": ("executor_tpu",),
     "both": ("executor_gpu", "executor_tpu"),
+    "sim": ("executor_sim",),  # a simulated device: the control plane alone, no model run
 }
 #: Controller defaults that differ under serve: the default model, and a local address.
 CONTROLLER_DEFAULTS = {"model": default_model.DEFAULT_MODEL_DIR, "host": "127.0.0.1"}
@@ -48,10 +50,10 @@ POLL_SECONDS = 0.5  # how often the children are checked
 class ServeSettings(TandemSettings):
     """What serve itself decides: which executors run, on which ports, with what flags."""
 
-    executor: Literal["gpu", "tpu", "both"] = setting(
+    executor: Literal["gpu", "tpu", "both", "sim"] = setting(
         "gpu",
-        "executors to start: gpu (CUDA, else the CPU), tpu (a TPU, else XLA:CPU) or both "
-        "(the TPU one on --executor-port + 1)",
+        "executors to start: gpu (CUDA, else the CPU), tpu (a TPU, else XLA:CPU), both "
+        "(the TPU one on --executor-port + 1) or sim (a simulated device, executors.md)",
     )
     executor_port: int = setting(50051, "gRPC port of the (first) executor")
     executor_args: str = setting(

@@ -2,8 +2,9 @@
 closed-loop clients through haproxy, streamed and not:
 
 - a rolling restart of each controller in turn (SIGTERM, then started again on its port), over
-  two real CPU executors: no request fails, every greedy text is the one the fleet gave before
-  the restarts, and no KV block stays in use;
+  two real CPU executors (the model's greedy texts) and over four simulated ones (the scale): no
+  request fails, every greedy text is the one the fleet gave before the restarts, and no KV
+  block stays in use;
 - kill -9 of one controller, over four simulated executors: the other claims its executors
   within the lease plus a handshake; haproxy marks it DOWN within its health checks; a new
   request succeeds at once (haproxy retries a refused connection on the other controller); a
@@ -16,11 +17,17 @@ The measured times are printed (pytest -s) for docs/operations.md.
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 
+import httpx
 import pytest
 
+from tandem import balancer
 from tests.e2e.lb_support import (
     LEASE,
     PROBE,
@@ -30,8 +37,9 @@ from tests.e2e.lb_support import (
     raw_sender,
     start_lb_fleet,
 )
-from tests.support.balancer import LiveBalancer
-from tests.support.processes import spawn_executor, wait_until
+from tests.e2e.test_serve_command import group_members
+from tests.support.balancer import LiveBalancer, require_haproxy
+from tests.support.processes import ROOT, free_port, spawn_executor, wait_until
 
 PROMPTS = [
     "The capital of France is",
@@ -42,6 +50,11 @@ PROMPTS = [
     "The largest planet in our solar system is",
 ]
 SLACK = 10.0  # handshakes and a loaded 2-core machine's scheduling
+SIM_SLOW = ["--step-fixed-ms", "20", "--step-per-token-us", "5"]  # 60 tokens: about 1.2 s
+# The rolling restart's fleets: (executor module, how many, their flags, tokens per request).
+# Real CPU executors hold the greedy texts to the model's; simulated ones give the scale (their
+# greedy tokens are a function of the prompt and position, the same on any executor).
+FLEETS = {"cpu": ("executor_gpu", 2, [], 12), "sim": ("executor_sim", 4, SIM_SLOW, 40)}
 
 
 def assert_no_blocks_in_use(fleet) -> None:
@@ -62,16 +75,18 @@ def stop_processes(processes) -> None:
         proc.wait(timeout=60)
 
 
-@pytest.mark.slow
-def test_rolling_restart_of_each_controller_loses_nothing(default_model_dir, tmp_path):
+@pytest.mark.parametrize("kind", [pytest.param("cpu", marks=pytest.mark.slow), "sim"])
+def test_rolling_restart_of_each_controller_loses_nothing(default_model_dir, tmp_path, kind):
     tmp = str(tmp_path)
+    module, count, flags, tokens = FLEETS[kind]
     executors = [
-        spawn_executor("executor_gpu", default_model_dir, tmp, f"gpu{i}") for i in range(2)
+        spawn_executor(module, default_model_dir, tmp, f"{kind}{i}", extra=flags)
+        for i in range(count)
     ]
     fleet = start_lb_fleet(default_model_dir, tmp, [f"127.0.0.1:{p}" for _, p in executors])
     try:
         model = fleet.controllers["c0"].model_name
-        send = openai_sender(fleet.base_url, model, PROMPTS, max_tokens=12)
+        send = openai_sender(fleet.base_url, model, PROMPTS, max_tokens=tokens)
         references = [send(i, False, {}, 0) for i in range(len(PROMPTS))]
         assert all(r.ok for r in references), references
         timings = []
@@ -86,7 +101,8 @@ def test_rolling_restart_of_each_controller_loses_nothing(default_model_dir, tmp
             assert o.text == references[o.prompt].text, o
         assert_no_blocks_in_use(fleet)
         print(
-            f"\nrolling restart under {len(load.outcomes)} requests, 0 failed, haproxy retries "
+            f"\nrolling restart ({count} {kind} executors) under {len(load.outcomes)} requests, "
+            f"0 failed, haproxy retries "
             f"{retries(fleet.balancer)}: "
             + "; ".join(
                 f"{n}: exited {stop:.1f}s after SIGTERM, serving again {back:.1f}s after its start"
@@ -116,7 +132,6 @@ def restart(fleet, name: str, load: ClosedLoop, tmp: str) -> tuple[str, float, f
     return name, stopped, back
 
 
-SIM_SLOW = ["--step-fixed-ms", "20", "--step-per-token-us", "5"]  # 60 tokens: about 1.2 s
 TOKEN_PROMPTS = [[10 + i, 200 + i, 3000 + i, 40 + i, 5 + i] for i in range(8)]
 TOKENS = 60
 
@@ -176,18 +191,24 @@ def busy(fleet, load: ClosedLoop, victim: str) -> bool:
 
 
 def after_kill(fleet, send, victim: str, survivor: str, killed: float, tmp: str) -> dict:
-    """Seconds from the kill until a new request succeeds, until haproxy marks the victim
-    DOWN, and until the survivor drives every executor."""
+    """Seconds from the kill until haproxy marks the victim DOWN (watched in a thread), until
+    a new request succeeds, and until the survivor drives every executor."""
     times = {}
+
+    def watch_down() -> None:
+        wait_until(lambda: fleet.balancer.states()[victim] == "DOWN", 30, "DOWN", interval=0.05)
+        times["down"] = time.monotonic() - killed
+
+    watcher = threading.Thread(target=watch_down)
+    watcher.start()
     wait_until(lambda: send(0, False, {}, 0).ok, 30, "a new request to succeed", interval=0.05)
     times["first_ok"] = time.monotonic() - killed
-    wait_until(lambda: fleet.balancer.states()[victim] == "DOWN", 30, "DOWN", interval=0.05)
-    times["down"] = time.monotonic() - killed
     total = len(fleet.executors)
     limit = LEASE + 3 * PROBE + LEASE / 3 + SLACK
     server = fleet.controllers[survivor]
     wait_until(lambda: len(owned(server)) == total, limit, "takeover", logs=tmp, interval=0.1)
     times["takeover"] = time.monotonic() - killed
+    watcher.join(timeout=60)
     assert times["down"] <= 2 * 1.0 + 1.0 + SLACK  # fall 2 x inter 1 s, a check's timeout
     return times
 
@@ -217,3 +238,56 @@ def assert_no_blocks_in_use_of(server) -> None:
     for e in server.wait_idle(60):
         if e["owned"]:
             assert e["used_blocks"] == 0, e
+
+
+def test_serve_starts_two_controllers_behind_haproxy(default_model_dir, tmp_path):
+    """`tandem serve --controllers 2` (what `make fleet CONTROLLERS=2` runs, here over one
+    simulated executor): haproxy answers on --port, the controllers see each other, the one
+    with the executor serves and the other is DOWN (no executor of its own); SIGTERM stops
+    every child and serve exits 0."""
+    require_haproxy()
+    port, controllers = free_port(), free_port()
+    run_dir = tmp_path / "run"
+    argv = ["--executor", "sim", "--controllers", "2", "--port", str(port)]
+    argv += ["--controller-port", str(controllers), "--executor-port", str(free_port())]
+    argv += ["--run-dir", str(run_dir), "--model", default_model_dir]
+    with open(tmp_path / "serve.log", "w") as log:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "tandem", "serve", *argv],
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group: its children are found by it
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: httpx.get(base + "/health", timeout=2).status_code == 200, 120, "serve")
+        socket_path = balancer.stats_socket(str(run_dir))
+        urls = [f"http://127.0.0.1:{controllers + i}" for i in range(2)]
+
+        def settled():  # both see each other; one has the executor (UP), the other none
+            peers = [httpx.get(f"{url}/peer", timeout=5).json() for url in urls]
+            states = balancer.server_states(socket_path)
+            live = all(p["live_controllers"] == 2 for p in peers)
+            return states if live and sorted(states.values()) == ["DOWN", "UP"] else None
+
+        states = wait_until(settled, 60, "the controllers to settle", logs=str(tmp_path))
+        for url in urls:
+            assert httpx.get(f"{url}/peer", timeout=5).json()["address"] == url[len("http://") :]
+        model = os.path.basename(default_model_dir.rstrip("/"))
+        resp = httpx.post(base + "/v1/completions", json=greedy_body(model), timeout=60)
+        assert resp.status_code == 200, resp.text
+        up = [name for name, state in states.items() if state == "UP"]
+        assert resp.headers["x-tandem-controller"] == up[0]
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=120) == 0
+        wait_until(lambda: group_members(serve.pid) == [], 15, "every child gone")
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait()
+
+
+def greedy_body(model: str) -> dict:
+    return {"model": model, "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
