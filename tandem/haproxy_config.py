@@ -8,6 +8,7 @@ the behaviour a client sees.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 
@@ -95,8 +96,25 @@ def _defaults(o: BalancerOptions) -> list[str]:
         "    option redispatch 1",
         # A retry replays the request, so its body must be buffered whole (up to tune.bufsize).
         "    option http-buffer-request",
+        # haproxy's own answers (no controller up, a controller failing after its retries, a
+        # timeout) in the OpenAI error shape the controllers use, which clients parse.
+        *(_error(status, code, message) for status, code, message in HAPROXY_ERRORS),
         "",
     ]
+
+
+HAPROXY_ERRORS = [  # (status, OpenAI error code, message) of haproxy's own answers
+    (502, "bad_gateway", "the controller failed to answer; the request may be retried"),
+    (503, "unavailable", "no controller is available; retry later"),
+    (504, "gateway_timeout", "the controller did not answer in time"),
+]
+
+
+def _error(status: int, code: str, message: str) -> str:
+    error = {"message": message, "type": "server_error", "param": None, "code": code}
+    body = json.dumps({"error": error}, separators=(",", ":"))
+    retry = " hdr Retry-After 1" if status == 503 else ""
+    return f"    http-error status {status} content-type application/json{retry} string '{body}'"
 
 
 def _frontend(o: BalancerOptions) -> list[str]:

@@ -109,3 +109,15 @@ def test_a_refused_or_dropped_post_is_replayed_on_the_other_server(tmp_path, mod
     finally:
         live.stop()
         bad.shutdown()
+
+
+def test_with_no_controller_up_haproxy_answers_an_openai_error(tmp_path):
+    live = start_balancer(str(tmp_path), {"nobody": f"127.0.0.1:{free_port()}"})
+    try:
+        wait_until(lambda: live.states() == {"nobody": "DOWN"}, 10, "DOWN")
+        resp = httpx.post(live.base_url + "/v1/completions", json={}, timeout=10)
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+        assert resp.json()["error"]["code"] == "unavailable"
+        assert resp.json()["error"]["type"] == "server_error"
+    finally:
+        live.stop()
