@@ -147,7 +147,8 @@ def plan(argv: list[str]) -> tuple[list[Child], ControllerConfig]:
     if settings.controllers == 1:
         return [*executors, Child("controller", [*command, "--host", config.host])], config
     if config.ssl_certfile:
-        raise SystemExit("tandem serve: --controllers > 1 serves plain HTTP behind haproxy")
+        print("tandem serve: --controllers > 1 serves plain HTTP behind haproxy", file=sys.stderr)
+        raise SystemExit(2)
     return [*executors, *balanced_controllers(settings, config, command)], config
 
 
@@ -173,8 +174,9 @@ def balanced_controllers(
         bind=f"{config.host}:{config.port}",
         backends=[Backend(child.name, a) for child, a in zip(controllers, addresses)],
         stats_socket=balancer.stats_socket(run_dir),
-        # A soft stop outlasts the controllers' own drain, then cuts what is left.
-        hard_stop_s=int(config.shutdown_grace) + 20,
+        # A soft stop outlasts the controllers' own drain, then cuts what is left before
+        # stop_all's SIGKILL would.
+        hard_stop_s=int(config.shutdown_grace) + 10,
     )
     config_path = balancer.write_config(run_dir, options)
     haproxy = Child("haproxy", balancer.command(config_path), stop_signal=balancer.STOP_SIGNAL)
@@ -229,6 +231,8 @@ def main(argv: list[str]) -> int:
     count = sum(child.name.startswith("controller") for child in children)
     front = f"{count} controllers behind haproxy" if count > 1 else "controller"
     print(f"tandem serve: {front} on {scheme}://{config.host}:{config.port}", file=sys.stderr)
+    if count > 1:
+        print(f"tandem serve: haproxy's config: {children[-1].command[-1]}", file=sys.stderr)
     try:
         return supervise(children, stop)
     finally:

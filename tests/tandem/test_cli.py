@@ -115,7 +115,7 @@ def test_serve_passes_the_model_source_to_every_child():
     assert "--revision" not in gpu.command and "--download-dir" not in gpu.command
 
 
-def test_serve_plans_several_controllers_behind_haproxy(tmp_path):
+def test_serve_plans_several_controllers_behind_haproxy(tmp_path, capsys):
     require_haproxy()
     argv = ["--controllers", "2", "--port", "9000", "--host", "0.0.0.0"]
     children, config = serve.plan([*argv, "--run-dir", str(tmp_path)])
@@ -141,6 +141,9 @@ def test_serve_plans_several_controllers_behind_haproxy(tmp_path):
     children, _ = serve.plan([*argv, "--controller-port", "7000", "--run-dir", str(tmp_path)])
     assert "--advertise-address=127.0.0.1:7001" in children[2].command
     assert [c.name for c in serve.plan([])[0]] == ["executor_gpu", "controller"]  # 1: as before
+    with pytest.raises(SystemExit) as exc:  # haproxy in front speaks plain HTTP to them
+        serve.plan([*argv, "--ssl-certfile", "/c.pem", "--ssl-keyfile", "/k.pem"])
+    assert exc.value.code == 2 and "plain HTTP behind haproxy" in capsys.readouterr().err
 
 
 def test_serve_refuses_bad_flags_before_starting_anything(capsys):
