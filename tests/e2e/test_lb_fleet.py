@@ -266,11 +266,21 @@ def test_serve_starts_two_controllers_behind_haproxy(default_model_dir, tmp_path
         socket_path = balancer.stats_socket(str(run_dir))
         urls = [f"http://127.0.0.1:{controllers + i}" for i in range(2)]
 
-        def settled():  # both see each other; one has the executor (UP), the other none
+        def settled():
+            """Both see each other, agree on the division (the executor's other controller
+            shows it assigned elsewhere: the hand-over of a first come, first served start is
+            over), and haproxy has the one that drives it UP, the other DOWN (none of its
+            own)."""
             peers = [httpx.get(f"{url}/peer", timeout=5).json() for url in urls]
-            states = balancer.server_states(socket_path)
+            sessions = [httpx.get(f"{url}/admin/executors", timeout=5).json() for url in urls]
+            kinds = [s["executors"][0]["state"] for s in sessions]
             live = all(p["live_controllers"] == 2 for p in peers)
-            return states if live and sorted(states.values()) == ["DOWN", "UP"] else None
+            agreed = sorted(kinds) == ["assigned_elsewhere", "healthy"]
+            expected = {
+                f"controller{i}": "UP" if k == "healthy" else "DOWN" for i, k in enumerate(kinds)
+            }
+            states = balancer.server_states(socket_path)
+            return states if live and agreed and states == expected else None
 
         states = wait_until(settled, 60, "the controllers to settle", logs=str(tmp_path))
         for url in urls:
