@@ -23,6 +23,7 @@ from tests.support.processes import (
     wait_until,
 )
 
+IGNORE_EOS = {"ignore_eos": True}  # every completion runs to max_tokens
 LEASE = 3.0  # the controllers' lease on each executor, renewed every second
 PROBE = 0.5  # seconds between peer probes: a peer is judged gone 1.5 s after its last answer
 CONTROLLER_ARGS = [
@@ -183,9 +184,6 @@ def openai_sender(base_url: str, model: str, prompts: list[str], max_tokens: int
         return outcome
 
     return send
-
-
-IGNORE_EOS = {"ignore_eos": True}
 
 
 def raw_sender(base_url: str, model: str, prompts: list[list[int]], max_tokens: int):
