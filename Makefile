@@ -14,8 +14,10 @@ EXECUTOR ?= gpu
 # TPU host to get power-of-two buckets up to the controller's step budget).
 TPU_ARGS ?= --token-buckets 32,128 --request-buckets 16
 PYTEST_ARGS ?=
+# How many controllers `make fleet` starts; more than 1: behind haproxy on $(PORT) (see fleet).
+CONTROLLERS ?= 1
 
-.PHONY: setup deps proto model kernels run fleet test test-fast lint format clean prometheus-deps
+.PHONY: setup deps proto model kernels run fleet test test-fast lint format clean prometheus-deps lb-deps
 
 setup: deps proto model kernels
 
@@ -53,12 +55,15 @@ run: setup
 # (XLA:CPU without a TPU) behind one controller. The TPU executor's steps are capped at 64
 # tokens and 8 requests (few shapes to compile: it joins after a minute or more on a CPU);
 # each executor's KV cache takes 512 MiB. Fleet state: curl http://$(HOST):$(PORT)/admin/executors
-fleet: setup
+# CONTROLLERS=N (N > 1): N controllers on $(PORT)+1 .. $(PORT)+N, peers dividing the executors,
+# behind haproxy on $(PORT) (started and stopped by serve; config and admin socket in a
+# temporary run folder that serve prints). Each controller's state: curl its own port.
+fleet: setup lb-deps
 	$(PY) -m tandem serve --executor both --model $(MODEL_DIR) --host $(HOST) --port $(PORT) \
 	  --executor-port $(EXECUTOR_PORT) --executor-args="--kv-cache-bytes 536870912" \
-	  --executor-limits tpu=64,8
+	  --executor-limits tpu=64,8 --controllers $(CONTROLLERS)
 
-test: setup chart-deps prometheus-deps
+test: setup chart-deps prometheus-deps lb-deps
 	TANDEM_MODEL_DIR=$(MODEL_DIR) $(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 # The default suite without the slow end-to-end tests.
@@ -68,6 +73,10 @@ test-fast: setup
 # A Prometheus server and promtool (Debian's package) for the metrics and dashboard tests.
 prometheus-deps:
 	bash scripts/install_prometheus.sh
+
+# haproxy (Debian's package) for `make fleet CONTROLLERS=N` and the several-controllers tests.
+lb-deps:
+	bash scripts/install_haproxy.sh
 
 # Lint and format check (CI runs it before the tests); `make format` rewrites what it flags.
 lint: deps

@@ -3,6 +3,7 @@ dispatch to each program, `tandem serve`'s plan of children, and `tandem bench`.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -13,6 +14,7 @@ import pytest
 
 from tandem import bench, cli, serve
 from tandem import model as default_model
+from tests.support.balancer import require_haproxy
 from tests.support.processes import ROOT
 
 
@@ -111,6 +113,37 @@ def test_serve_passes_the_model_source_to_every_child():
             assert child.command[child.command.index(flag) + 1] == value, child.name
     (gpu, *_), _ = serve.plan(["--model", "Org/Model"])
     assert "--revision" not in gpu.command and "--download-dir" not in gpu.command
+
+
+def test_serve_plans_several_controllers_behind_haproxy(tmp_path, capsys):
+    require_haproxy()
+    argv = ["--controllers", "2", "--port", "9000", "--host", "0.0.0.0"]
+    children, config = serve.plan([*argv, "--run-dir", str(tmp_path)])
+    names = [c.name for c in children]
+    assert names == ["executor_gpu", "controller0", "controller1", "haproxy"]
+    peers = ["--peer=127.0.0.1:9001", "--peer=127.0.0.1:9002"]
+    for i, child in enumerate(children[1:3]):
+        port = str(9001 + i)
+        tail = [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            port,
+            *peers,
+            f"--advertise-address=127.0.0.1:{port}",
+        ]
+        assert child.command[-len(tail) :] == tail
+    haproxy = children[-1]
+    assert haproxy.stop_signal == signal.SIGUSR1  # a soft stop: streams end first
+    cfg = (tmp_path / "haproxy.cfg").read_text()
+    assert haproxy.command[-2:] == ["-f", str(tmp_path / "haproxy.cfg")]
+    assert "bind 0.0.0.0:9000" in cfg and "server controller1 127.0.0.1:9002 check" in cfg
+    children, _ = serve.plan([*argv, "--controller-port", "7000", "--run-dir", str(tmp_path)])
+    assert "--advertise-address=127.0.0.1:7001" in children[2].command
+    assert [c.name for c in serve.plan([])[0]] == ["executor_gpu", "controller"]  # 1: as before
+    with pytest.raises(SystemExit) as exc:  # haproxy in front speaks plain HTTP to them
+        serve.plan([*argv, "--ssl-certfile", "/c.pem", "--ssl-keyfile", "/k.pem"])
+    assert exc.value.code == 2 and "plain HTTP behind haproxy" in capsys.readouterr().err
 
 
 def test_serve_refuses_bad_flags_before_starting_anything(capsys):
