@@ -2,8 +2,10 @@
 
 For each point of a grid (running requests x executors) this starts N simulated executors
 (`python -m executor_sim`, one process each, with a Prometheus port) and a controller in front
-of them, keeps R long non-streamed requests in flight (closed loop: a finished one is replaced),
-waits until all R run, then measures over a steady window:
+of them, keeps R long requests in flight (closed loop: a finished one is replaced; non-streamed,
+or with --stream SSE streams read as they come; the load generator runs in a process of its own,
+benchmarks/loadgen.py, whose CPU is reported apart), waits until all R run, then measures over a
+steady window:
 
 - device busy fraction: the executors' busy seconds / (N x wall seconds) (from the sims), and
   the "ideal" share the latency model alone accounts for (busy exceeds it when the simulators
@@ -16,16 +18,16 @@ waits until all R run, then measures over a steady window:
   requests they scheduled.
 
     python benchmarks/controlplane.py --running 16,64,256 --executors 1,4,16 --json cp.json
+    python benchmarks/controlplane.py --running 64,256 --executors 1,4 --stream both
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
-import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +37,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.loadgen import LoadProcess, LoadSpec  # noqa: E402
 from common.wire.model_config import load_model_geometry  # noqa: E402
 from tests.support.processes import (  # noqa: E402
     LiveServer,
@@ -66,6 +69,7 @@ class PointResult:
 
     executors: int  # simulated executors
     running: int  # requests kept in flight
+    stream: bool  # the load generator's requests were streamed (SSE)
     window_s: float  # wall seconds measured
     busy_fraction: float  # executor busy seconds / (executors x window)
     modeled_fraction: float  # modeled step seconds / (executors x window): the ideal busy part
@@ -79,6 +83,8 @@ class PointResult:
     bytes_per_request_decode: float  # StepRequest bytes per request in pure decode steps
     bytes_per_request_all: float  # StepRequest bytes per scheduled request, every step
     running_at_end: int  # requests the controller reported running after the window
+    load_cpu_util: float = 0.0  # the load generator's CPU seconds per wall second (own process)
+    load_us_per_token: float = 0.0  # the load generator's CPU microseconds per generated token
 
 
 def cpu_seconds(pid: int) -> float:
@@ -108,8 +114,11 @@ def scrape_sim(client: httpx.Client, port: int) -> dict[str, float]:
     return values
 
 
-def snapshot(client: httpx.Client, ports: list[int], controller_pid: int) -> dict[str, float]:
-    """Wall time, controller CPU and the sims' counters summed over executors."""
+def snapshot(
+    client: httpx.Client, ports: list[int], controller_pid: int, load_pid: int
+) -> dict[str, float]:
+    """Wall time, controller and load generator CPU and the sims' counters summed over
+    executors."""
     totals = dict.fromkeys(SIM_COUNTERS, 0.0)
     for port in ports:
         for name, value in scrape_sim(client, port).items():
@@ -117,6 +126,7 @@ def snapshot(client: httpx.Client, ports: list[int], controller_pid: int) -> dic
                 totals[name] += value
     totals["cpu"] = cpu_seconds(controller_pid)
     totals["runq"] = run_queue_seconds(controller_pid)
+    totals["load_cpu"] = cpu_seconds(load_pid)
     totals["wall"] = time.perf_counter()
     return totals
 
@@ -129,55 +139,8 @@ def fleet_state(base_url: str) -> tuple[int, int, int]:
     return sum(e["healthy"] for e in execs), sum(e["running"] for e in execs), waiting
 
 
-async def keep_in_flight(
-    base_url: str,
-    model: str,
-    running: int,
-    input_len: int,
-    output_len: int,
-    vocab: int,
-    stop: asyncio.Event,
-) -> None:
-    """Keep `running` non-streamed completions in flight until `stop` (then abort them)."""
-    rng = random.Random(0)
-
-    async def worker(client: httpx.AsyncClient) -> None:
-        while not stop.is_set():
-            prompt = [rng.randrange(100, vocab) for _ in range(input_len)]
-            body = {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": output_len,
-                "temperature": 0,
-                "ignore_eos": True,
-            }
-            try:
-                await client.post(base_url + "/v1/completions", json=body)
-            except httpx.HTTPError:
-                await asyncio.sleep(0.1)
-
-    # Pools of at most 20 connections: httpx's pool scans every connection per request, and
-    # this process shares the machine with the controller it measures.
-    sizes = [min(20, running - i) for i in range(0, running, 20)]
-    clients = [
-        httpx.AsyncClient(
-            timeout=None, limits=httpx.Limits(max_connections=n, max_keepalive_connections=n)
-        )
-        for n in sizes
-    ]
-    try:
-        tasks = [asyncio.create_task(worker(c)) for c, n in zip(clients, sizes) for _ in range(n)]
-        await stop.wait()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    finally:
-        for c in clients:
-            await c.aclose()
-
-
 def measure(
-    before: dict, after: dict, executors: int, running: int, running_at_end: int
+    before: dict, after: dict, executors: int, running: int, running_at_end: int, stream: bool
 ) -> PointResult:
     """The PointResult of the window between two snapshots."""
     d = {k: after[k] - before[k] for k in before}
@@ -185,6 +148,7 @@ def measure(
     return PointResult(
         executors=executors,
         running=running,
+        stream=stream,
         window_s=wall,
         busy_fraction=d["busy_seconds"] / (executors * wall),
         modeled_fraction=d["modeled_seconds"] / (executors * wall),
@@ -199,6 +163,8 @@ def measure(
         / max(d["decode_scheduled_requests"], 1.0),
         bytes_per_request_all=d["step_request_bytes"] / max(d["scheduled_requests"], 1.0),
         running_at_end=running_at_end,
+        load_cpu_util=d["load_cpu"] / wall,
+        load_us_per_token=1e6 * d["load_cpu"] / tokens,
     )
 
 
@@ -231,11 +197,11 @@ def run_point(
     metric_ports: list[int],
     running: int,
     vocab: int,
+    stream: bool = False,
 ) -> PointResult:
     """Start a controller on the running sims, load it, measure the window, stop it."""
-    server: LiveServer = spawn_controller(
-        a.model, tmp, controller_args(a, ports, running), name=f"controller-{len(ports)}x{running}"
-    )
+    name = f"controller-{len(ports)}x{running}{'-stream' if stream else ''}"
+    server: LiveServer = spawn_controller(a.model, tmp, controller_args(a, ports, running), name)
     try:
         wait_until(
             lambda: fleet_state(server.base_url)[0] == len(ports),
@@ -243,46 +209,72 @@ def run_point(
             f"{len(ports)} healthy executors",
             logs=tmp,
         )
-        return asyncio.run(_drive(a, server, len(ports), metric_ports, running, vocab, tmp))
+        spec = LoadSpec(
+            server.base_url,
+            server.model_name,
+            running,
+            a.input_len,
+            a.output_len,
+            vocab,
+            stream,
+        )
+        return drive(a, server, spec, len(ports), metric_ports, tmp)
     finally:
         server.stop()
 
 
-async def _drive(
+def drive(
     a: argparse.Namespace,
     server: LiveServer,
+    spec: LoadSpec,
     executors: int,
     metric_ports: list[int],
-    running: int,
-    vocab: int,
     tmp: str,
 ) -> PointResult:
-    stop = asyncio.Event()
-    load = asyncio.create_task(
-        keep_in_flight(
-            server.base_url, server.model_name, running, a.input_len, a.output_len, vocab, stop
-        )
-    )
+    """Load the controller from a process of its own, wait until every request runs, measure
+    the window (optionally under py-spy)."""
+    load = LoadProcess(spec)
 
     def steady() -> bool:
         _, now_running, waiting = fleet_state(server.base_url)
-        return now_running >= running and waiting == 0
+        return now_running >= spec.running and waiting == 0
 
     try:
-        await asyncio.to_thread(
-            wait_until, steady, a.settle_timeout, f"{running} running requests", 0.25, tmp
-        )
-        await asyncio.sleep(a.settle)
+        wait_until(steady, a.settle_timeout, f"{spec.running} running requests", 0.25, tmp)
+        time.sleep(a.settle)
+        pid = server.controller.pid
+        spy = start_py_spy(a, pid, executors, spec)
         with httpx.Client() as client:
-            pid = server.controller.pid
-            before = await asyncio.to_thread(snapshot, client, metric_ports, pid)
-            await asyncio.sleep(a.window)
-            after = await asyncio.to_thread(snapshot, client, metric_ports, pid)
-        _, at_end, _ = await asyncio.to_thread(fleet_state, server.base_url)
+            before = snapshot(client, metric_ports, pid, load.pid)
+            time.sleep(a.window)
+            after = snapshot(client, metric_ports, pid, load.pid)
+        if spy is not None:
+            spy.wait()
+        _, at_end, _ = fleet_state(server.base_url)
     finally:
-        stop.set()
-        await load
-    return measure(before, after, executors, running, at_end)
+        load.stop()
+    return measure(before, after, executors, spec.running, at_end, spec.stream)
+
+
+def start_py_spy(a: argparse.Namespace, pid: int, executors: int, spec: LoadSpec):
+    """With --py-spy DIR: record the controller over the window (collapsed stacks per point,
+    with native frames: `flamegraph.pl` or speedscope read them); the process, or None."""
+    if not a.py_spy:
+        return None
+    os.makedirs(a.py_spy, exist_ok=True)
+    kind = "stream" if spec.stream else "whole"
+    out = os.path.join(a.py_spy, f"controller-{executors}x{spec.running}-{kind}.txt")
+    exe = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    cmd = [
+        exe if os.path.exists(exe) else "py-spy",
+        "record",
+        "--pid",
+        str(pid),
+        "--duration",
+        str(int(a.window)),
+    ]
+    cmd += ["--rate", "200", "--nonblocking", "--native", "--format", "raw", "-o", out]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def start_sims(a: argparse.Namespace, tmp: str, count: int) -> tuple[list, list[int], list[int]]:
@@ -346,21 +338,28 @@ def stop_processes(procs: list) -> None:
 def format_table(points: list[PointResult]) -> str:
     """The results as an aligned text table."""
     head = (
-        f"{'execs':>5} {'running':>7} {'busy%':>6} {'ideal%':>6} {'steps/s':>8} "
+        f"{'execs':>5} {'running':>7} {'mode':>6} {'busy%':>6} {'ideal%':>6} {'steps/s':>8} "
         f"{'tok/s':>8} {'batch':>6} {'ctl_cpu%':>8} {'ctl_wait%':>9} {'cpu_ms/step':>11} "
-        f"{'cpu_us/tok':>10} {'B/req/decode':>12}"
+        f"{'cpu_us/tok':>10} {'B/req/decode':>12} {'load_cpu%':>9} {'load_us/tok':>11}"
     )
     rows = [head]
     for p in points:
         rows.append(
-            f"{p.executors:>5} {p.running:>7} {100 * p.busy_fraction:>6.1f} "
+            f"{p.executors:>5} {p.running:>7} {'stream' if p.stream else 'whole':>6} "
+            f"{100 * p.busy_fraction:>6.1f} "
             f"{100 * p.modeled_fraction:>6.1f} {p.steps_per_s:>8.1f} {p.tokens_per_s:>8.0f} "
             f"{p.batch_per_step:>6.1f} {100 * p.controller_cpu_util:>8.1f} "
             f"{100 * p.controller_wait_frac:>9.1f} "
             f"{p.cpu_ms_per_step:>11.3f} {p.cpu_us_per_token:>10.1f} "
-            f"{p.bytes_per_request_decode:>12.1f}"
+            f"{p.bytes_per_request_decode:>12.1f} {100 * p.load_cpu_util:>9.1f} "
+            f"{p.load_us_per_token:>11.1f}"
         )
     return "\n".join(rows)
+
+
+def stream_modes(choice: str) -> list[bool]:
+    """--stream's modes: streamed (True), non-streamed (False), or both, non-streamed first."""
+    return {"no": [False], "yes": [True], "both": [False, True]}[choice]
 
 
 def _ints(text: str) -> list[int]:
@@ -412,6 +411,17 @@ def main(argv=None) -> None:
     p.add_argument(
         "--controller-args", default="", help="extra controller flags, e.g. '--pipeline-depth 3'"
     )
+    p.add_argument(
+        "--stream",
+        choices=["no", "yes", "both"],
+        nargs="?",
+        const="yes",
+        default="no",
+        help="the load generator's requests streamed (SSE, read as they come), or both modes",
+    )
+    p.add_argument(
+        "--py-spy", default="", help="record the controller with py-spy into this folder"
+    )
     p.add_argument("--json", default="", help="write the results here")
     a = p.parse_args(argv)
     vocab = load_model_geometry(a.model).vocab_size
@@ -425,9 +435,10 @@ def main(argv=None) -> None:
                 for running in a.running:
                     if running < count:
                         continue
-                    point = run_point(a, tmp, ports, metric_ports, running, vocab)
-                    points.append(point)
-                    print(format_table([point]).splitlines()[-1], file=sys.stderr, flush=True)
+                    for stream in stream_modes(a.stream):
+                        point = run_point(a, tmp, ports, metric_ports, running, vocab, stream)
+                        points.append(point)
+                        print(format_table([point]).splitlines()[-1], file=sys.stderr, flush=True)
             finally:
                 stop_processes(procs)
     print(format_table(points))
