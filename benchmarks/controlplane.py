@@ -273,8 +273,9 @@ def start_py_spy(a: argparse.Namespace, pid: int, executors: int, spec: LoadSpec
         "--duration",
         str(int(a.window)),
     ]
-    cmd += ["--rate", "200", "--nonblocking", "--native", "--format", "raw", "-o", out]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd += ["--rate", "200", "--native", "--format", "raw", "-o", out]
+    log = open(out + ".log", "w")  # noqa: SIM115 (the child owns it)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
 def start_sims(a: argparse.Namespace, tmp: str, count: int) -> tuple[list, list[int], list[int]]:
