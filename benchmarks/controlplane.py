@@ -273,7 +273,7 @@ def start_py_spy(a: argparse.Namespace, pid: int, executors: int, spec: LoadSpec
         "--duration",
         str(int(a.window)),
     ]
-    cmd += ["--rate", "200", "--native", "--format", "raw", "-o", out]
+    cmd += ["--rate", "200", "--nonblocking", "--format", "raw", "-o", out]
     log = open(out + ".log", "w")  # noqa: SIM115 (the child owns it)
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 

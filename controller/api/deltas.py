@@ -45,9 +45,10 @@ class DeltaQueue:
         if value is ABORT:
             self._aborted.set()
         else:
-            items = self._pending.setdefault(index, [])
-            last = items[-1] if items else None
-            if isinstance(last, OutputDelta) and isinstance(value, OutputDelta):
+            items = self._pending.get(index)
+            if items is None:  # the common case: the writer took the previous step's
+                self._pending[index] = [value]
+            elif isinstance(last := items[-1], OutputDelta) and isinstance(value, OutputDelta):
                 if index not in self._owned:  # the engine's lists stay the engine's
                     items[-1] = last = own_copy(last)
                     self._owned.add(index)

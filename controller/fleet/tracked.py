@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import InitVar, dataclass, field, replace
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from common.wire.request_ids import request_id_of
-from controller.core.outputs import GenerationRequest, OutputDelta, absorb
+from controller.core.outputs import GenerationRequest, OutputDelta, absorb, own_copy
 from controller.core.request import Request
 from controller.core.scheduler import RequestUpdate
 from controller.observe.metrics import EngineMetrics, ExecutorSeries, RequestStats
@@ -219,11 +219,6 @@ def deliver(tracked: Tracked, delta: OutputDelta) -> None:
             )
         tracked.queue.put_nowait(delta)
     elif held is None:  # a copy whose lists this request alone grows
-        tracked.held = replace(
-            delta,
-            token_ids=list(delta.token_ids),
-            logprobs=None if delta.logprobs is None else list(delta.logprobs),
-            prompt_logprobs=None if delta.prompt_logprobs is None else list(delta.prompt_logprobs),
-        )
+        tracked.held = own_copy(delta)
     else:
         absorb(held, delta)
