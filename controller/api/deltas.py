@@ -13,9 +13,14 @@ until the stall timeout aborts it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from controller.api.admission import ABORT
 from controller.core.outputs import OutputDelta, absorb, own_copy
+
+if TYPE_CHECKING:
+    from controller.api.direct_write import DirectWrite
 
 
 class DeltaQueue:
@@ -33,6 +38,10 @@ class DeltaQueue:
         # (an Event would look the running loop up on every wait).
         self._waiter: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # bound at the first wait
+        # The response's direct writer (streaming.py): takes a sequence's delta and writes it
+        # to the client at once, or declines (False). Tried only while the writer is idle.
+        self.direct: Callable[[int, OutputDelta], bool] | None = None
+        self.connection: DirectWrite | None = None  # the client's connection, for `direct`
         self._aborted = asyncio.Event()  # the abort came (shutdown)
 
     def sink(self, index: int) -> SequenceSink:
@@ -42,6 +51,14 @@ class DeltaQueue:
     def put_nowait(self, item: tuple) -> None:
         """Take a sequence's delta or failure, or the response's abort."""
         index, value = item
+        if (
+            self._waiter is not None  # the writer waits: whatever it took is written
+            and self.direct is not None
+            and not self._pending
+            and type(value) is OutputDelta
+            and self.direct(index, value)
+        ):
+            return
         if value is ABORT:
             self._aborted.set()
         else:

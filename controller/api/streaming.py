@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from controller.api.admission import ABORT, Ticket
 from controller.api.deltas import DeltaQueue
+from controller.api.direct_write import direct_write_of
 from controller.api.errors import APIError, error_body
 from controller.api.formats import Choice
 from controller.api.stall import ClientStalled, close_guard, guarded
@@ -114,11 +115,35 @@ def sse_events(
     """The server-sent events of a streamed response, ``data: [DONE]`` last."""
     choices = [Choice(index=i, prompt_index=i // max(1, fmt.n)) for i in range(len(gens))]
 
+    def direct(i: int, d: OutputDelta) -> bool:
+        """Write a plain, unfinished delta straight to the client from the step loop (the
+        writer is idle: everything before it is out); False: it takes the ordinary path."""
+        conn = queue.connection
+        if conn is None or d.finished or d.error:
+            return False
+        try:
+            if not conn.writable():
+                return False
+            c = choices[i]
+            line = fmt.stream_bytes(c, d, not c.token_ids and not c.text, include_usage)
+            if line is None:
+                return False
+            ticket.started(i)
+            c.add(d)
+            if line:
+                conn.write(line)
+            return True
+        except Exception:  # the ordinary path will say what is wrong, on the response's task
+            log.exception("a direct write failed")
+            queue.connection = None
+            return False
+
     async def events() -> AsyncIterator[bytes]:
         try:
             async with contextlib.aclosing(run_sequences(engine, gens, ticket, queue)) as deltas:
                 for prelude in fmt.stream_prelude(len(gens), include_usage):
                     yield sse_line(prelude)
+                queue.direct = direct
                 async for i, d in deltas:
                     first = not choices[i].token_ids and not choices[i].text
                     choices[i].add(d)
@@ -138,6 +163,8 @@ def sse_events(
                     yield sse_line(fmt.usage_chunk(choices))
         except APIError as err:
             yield sse_line({"error": error_body(err)})
+        finally:
+            queue.direct = None
         yield b"data: [DONE]\n\n"
 
     return events()
@@ -147,10 +174,13 @@ class TicketedStream(StreamingResponse):
     """A streamed response that releases its admission ticket however it ends (even when the
     client leaves before the body starts), and aborts when its client stalls."""
 
-    def __init__(self, ticket: Ticket, stall_timeout: float, *args, **kwargs):
+    def __init__(
+        self, ticket: Ticket, stall_timeout: float, queue: DeltaQueue | None, *args, **kwargs
+    ):
         super().__init__(*args, **kwargs)
         self.ticket = ticket  # released when the response is over
         self.stall_timeout = stall_timeout  # seconds one write may wait for the client
+        self.queue = queue  # its sequences' channel: told the connection for direct writes
 
     async def stream_response(self, send) -> None:
         guard = guarded(send, self.stall_timeout)
@@ -160,6 +190,8 @@ class TicketedStream(StreamingResponse):
             close_guard(guard)
 
     async def __call__(self, scope, receive, send) -> None:
+        if self.queue is not None:
+            self.queue.connection = direct_write_of(scope)
         try:
             await super().__call__(scope, receive, send)
         except ClientStalled as stalled:
