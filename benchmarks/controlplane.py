@@ -2,8 +2,10 @@
 
 For each point of a grid (running requests x executors) this starts N simulated executors
 (`python -m executor_sim`, one process each, with a Prometheus port) and a controller in front
-of them, keeps R long non-streamed requests in flight (closed loop: a finished one is replaced),
-waits until all R run, then measures over a steady window:
+of them, keeps R long requests in flight (closed loop: a finished one is replaced; non-streamed,
+or with --stream SSE streams read as they come; the load generator runs in a process of its own,
+benchmarks/loadgen.py, whose CPU is reported apart), waits until all R run, then measures over a
+steady window:
 
 - device busy fraction: the executors' busy seconds / (N x wall seconds) (from the sims), and
   the "ideal" share the latency model alone accounts for (busy exceeds it when the simulators
@@ -16,6 +18,7 @@ waits until all R run, then measures over a steady window:
   requests they scheduled.
 
     python benchmarks/controlplane.py --running 16,64,256 --executors 1,4,16 --json cp.json
+    python benchmarks/controlplane.py --running 64,256 --executors 1,4 --stream both
 
 With `--controllers 1,2,4` each point runs with that many controllers as peers dividing the
 executors (benchmarks/multi_controller.py); the load generator spreads its requests over them
@@ -26,11 +29,10 @@ busy fraction as ratios to one controller.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
-import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +42,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.loadgen import LoadProcess, LoadSpec  # noqa: E402
 from benchmarks.multi_controller import (  # noqa: E402
     fleet_state_all,
     start_controllers,
@@ -76,6 +79,7 @@ class PointResult:
 
     executors: int  # simulated executors
     running: int  # requests kept in flight
+    stream: bool  # the load generator's requests were streamed (SSE)
     window_s: float  # wall seconds measured
     busy_fraction: float  # executor busy seconds / (executors x window)
     modeled_fraction: float  # modeled step seconds / (executors x window): the ideal busy part
@@ -90,6 +94,8 @@ class PointResult:
     bytes_per_request_all: float  # StepRequest bytes per scheduled request, every step
     running_at_end: int  # requests the controller reported running after the window
     controllers: int = 1  # controllers dividing the executors (CPU figures: their sum)
+    load_cpu_util: float = 0.0  # the load generator's CPU seconds per wall second (own process)
+    load_us_per_token: float = 0.0  # the load generator's CPU microseconds per generated token
 
 
 def cpu_seconds(pid: int) -> float:
@@ -119,79 +125,31 @@ def scrape_sim(client: httpx.Client, port: int) -> dict[str, float]:
     return values
 
 
-def snapshot(client: httpx.Client, ports: list[int], pids: list[int]) -> dict[str, float]:
-    """Wall time, the controllers' CPU and the sims' counters summed over executors."""
+def snapshot(
+    client: httpx.Client, ports: list[int], controller_pids: list[int], load_pid: int
+) -> dict[str, float]:
+    """Wall time, the controllers' CPU (summed), the load generator's CPU and the sims'
+    counters summed over executors."""
     totals = dict.fromkeys(SIM_COUNTERS, 0.0)
     for port in ports:
         for name, value in scrape_sim(client, port).items():
             if name in totals:
                 totals[name] += value
-    totals["cpu"] = sum(cpu_seconds(pid) for pid in pids)
-    totals["runq"] = sum(run_queue_seconds(pid) for pid in pids)
+    totals["cpu"] = sum(cpu_seconds(pid) for pid in controller_pids)
+    totals["runq"] = sum(run_queue_seconds(pid) for pid in controller_pids)
+    totals["load_cpu"] = cpu_seconds(load_pid)
     totals["wall"] = time.perf_counter()
     return totals
 
 
-def fleet_state(base_url: str) -> tuple[int, int, int]:
-    """(healthy executors, running requests, waiting requests) across the fleet."""
-    state = httpx.get(base_url + "/admin/executors", timeout=10).json()
-    execs = state["executors"]
-    waiting = sum(e["waiting"] for e in execs) + state.get("requests_waiting_for_executor", 0)
-    return sum(e["healthy"] for e in execs), sum(e["running"] for e in execs), waiting
-
-
-async def keep_in_flight(
-    base_urls: list[str],
-    model: str,
-    running: int,
-    input_len: int,
-    output_len: int,
-    vocab: int,
-    stop: asyncio.Event,
-) -> None:
-    """Keep `running` non-streamed completions in flight until `stop` (then abort them),
-    sent to the controllers in turn."""
-    rng = random.Random(0)
-    turn = iter(range(1 << 62))
-
-    async def worker(client: httpx.AsyncClient) -> None:
-        while not stop.is_set():
-            base_url = base_urls[next(turn) % len(base_urls)]
-            prompt = [rng.randrange(100, vocab) for _ in range(input_len)]
-            body = {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": output_len,
-                "temperature": 0,
-                "ignore_eos": True,
-            }
-            try:
-                await client.post(base_url + "/v1/completions", json=body)
-            except httpx.HTTPError:
-                await asyncio.sleep(0.1)
-
-    # Pools of at most 20 connections: httpx's pool scans every connection per request, and
-    # this process shares the machine with the controller it measures.
-    sizes = [min(20, running - i) for i in range(0, running, 20)]
-    clients = [
-        httpx.AsyncClient(
-            timeout=None, limits=httpx.Limits(max_connections=n, max_keepalive_connections=n)
-        )
-        for n in sizes
-    ]
-    try:
-        tasks = [asyncio.create_task(worker(c)) for c, n in zip(clients, sizes) for _ in range(n)]
-        await stop.wait()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    finally:
-        for c in clients:
-            await c.aclose()
-
-
 def measure(
-    before: dict, after: dict, executors: int, running: int, running_at_end: int, controllers=1
+    before: dict,
+    after: dict,
+    executors: int,
+    running: int,
+    running_at_end: int,
+    stream: bool,
+    controllers: int = 1,
 ) -> PointResult:
     """The PointResult of the window between two snapshots."""
     d = {k: after[k] - before[k] for k in before}
@@ -199,6 +157,7 @@ def measure(
     return PointResult(
         executors=executors,
         running=running,
+        stream=stream,
         window_s=wall,
         busy_fraction=d["busy_seconds"] / (executors * wall),
         modeled_fraction=d["modeled_seconds"] / (executors * wall),
@@ -214,6 +173,8 @@ def measure(
         bytes_per_request_all=d["step_request_bytes"] / max(d["scheduled_requests"], 1.0),
         running_at_end=running_at_end,
         controllers=controllers,
+        load_cpu_util=d["load_cpu"] / wall,
+        load_us_per_token=1e6 * d["load_cpu"] / tokens,
     )
 
 
@@ -246,59 +207,81 @@ def run_point(
     metric_ports: list[int],
     running: int,
     vocab: int,
+    stream: bool = False,
     controllers: int = 1,
 ) -> PointResult:
     """Start the controllers on the running sims, load them, measure the window, stop them."""
-    name = f"controller-{len(ports)}x{running}x{controllers}"
+    name = f"controller-{len(ports)}x{running}x{controllers}{'-stream' if stream else ''}"
     servers = start_controllers(a.model, tmp, controller_args(a, ports, running), controllers, name)
     try:
         wait_divided(servers, len(ports), a.settle_timeout, tmp)
-        return asyncio.run(_drive(a, servers, len(ports), metric_ports, running, vocab, tmp))
-    finally:
-        stop_all(servers)
-
-
-async def _drive(
-    a: argparse.Namespace,
-    servers: list[LiveServer],
-    executors: int,
-    metric_ports: list[int],
-    running: int,
-    vocab: int,
-    tmp: str,
-) -> PointResult:
-    stop = asyncio.Event()
-    load = asyncio.create_task(
-        keep_in_flight(
+        spec = LoadSpec(
             [s.base_url for s in servers],
             servers[0].model_name,
             running,
             a.input_len,
             a.output_len,
             vocab,
-            stop,
+            stream,
         )
-    )
+        return drive(a, servers, spec, len(ports), metric_ports, tmp)
+    finally:
+        stop_all(servers)
+
+
+def drive(
+    a: argparse.Namespace,
+    servers: list[LiveServer],
+    spec: LoadSpec,
+    executors: int,
+    metric_ports: list[int],
+    tmp: str,
+) -> PointResult:
+    """Load the controllers from a process of its own, wait until every request runs, measure
+    the window (optionally under py-spy: the first controller)."""
+    load = LoadProcess(spec)
 
     def steady() -> bool:
         _, now_running, waiting = fleet_state_all(servers)
-        return now_running >= running and waiting == 0
+        return now_running >= spec.running and waiting == 0
 
     try:
-        await asyncio.to_thread(
-            wait_until, steady, a.settle_timeout, f"{running} running requests", 0.25, tmp
-        )
-        await asyncio.sleep(a.settle)
+        wait_until(steady, a.settle_timeout, f"{spec.running} running requests", 0.25, tmp)
+        time.sleep(a.settle)
+        spy = start_py_spy(a, servers[0].controller.pid, executors, spec)
         with httpx.Client() as client:
             pids = [s.controller.pid for s in servers]
-            before = await asyncio.to_thread(snapshot, client, metric_ports, pids)
-            await asyncio.sleep(a.window)
-            after = await asyncio.to_thread(snapshot, client, metric_ports, pids)
-        _, at_end, _ = await asyncio.to_thread(fleet_state_all, servers)
+            before = snapshot(client, metric_ports, pids, load.pid)
+            time.sleep(a.window)
+            after = snapshot(client, metric_ports, pids, load.pid)
+        if spy is not None:
+            spy.wait()
+        _, at_end, _ = fleet_state_all(servers)
     finally:
-        stop.set()
-        await load
-    return measure(before, after, executors, running, at_end, len(servers))
+        load.stop()
+    return measure(before, after, executors, spec.running, at_end, spec.stream, len(servers))
+
+
+def start_py_spy(a: argparse.Namespace, pid: int, executors: int, spec: LoadSpec):
+    """With --py-spy DIR: record the controller over the window (collapsed stacks per point,
+    with native frames: `flamegraph.pl` or speedscope read them); the process, or None."""
+    if not a.py_spy:
+        return None
+    os.makedirs(a.py_spy, exist_ok=True)
+    kind = "stream" if spec.stream else "whole"
+    out = os.path.join(a.py_spy, f"controller-{executors}x{spec.running}-{kind}.txt")
+    exe = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    cmd = [
+        exe if os.path.exists(exe) else "py-spy",
+        "record",
+        "--pid",
+        str(pid),
+        "--duration",
+        str(int(a.window)),
+    ]
+    cmd += ["--rate", "200", "--nonblocking", "--format", "raw", "-o", out]
+    log = open(out + ".log", "w")  # noqa: SIM115 (the child owns it)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
 def start_sims(a: argparse.Namespace, tmp: str, count: int) -> tuple[list, list[int], list[int]]:
@@ -362,19 +345,22 @@ def stop_processes(procs: list) -> None:
 def format_table(points: list[PointResult]) -> str:
     """The results as an aligned text table."""
     head = (
-        f"{'ctls':>4} {'execs':>5} {'running':>7} {'busy%':>6} {'ideal%':>6} {'steps/s':>8} "
+        f"{'ctls':>4} {'execs':>5} {'running':>7} {'mode':>6} {'busy%':>6} {'ideal%':>6} "
+        f"{'steps/s':>8} "
         f"{'tok/s':>8} {'batch':>6} {'ctl_cpu%':>8} {'ctl_wait%':>9} {'cpu_ms/step':>11} "
-        f"{'cpu_us/tok':>10} {'B/req/decode':>12}"
+        f"{'cpu_us/tok':>10} {'B/req/decode':>12} {'load_cpu%':>9} {'load_us/tok':>11}"
     )
     rows = [head]
     for p in points:
         rows.append(
-            f"{p.controllers:>4} {p.executors:>5} {p.running:>7} {100 * p.busy_fraction:>6.1f} "
+            f"{p.controllers:>4} {p.executors:>5} {p.running:>7} "
+            f"{'stream' if p.stream else 'whole':>6} {100 * p.busy_fraction:>6.1f} "
             f"{100 * p.modeled_fraction:>6.1f} {p.steps_per_s:>8.1f} {p.tokens_per_s:>8.0f} "
             f"{p.batch_per_step:>6.1f} {100 * p.controller_cpu_util:>8.1f} "
             f"{100 * p.controller_wait_frac:>9.1f} "
             f"{p.cpu_ms_per_step:>11.3f} {p.cpu_us_per_token:>10.1f} "
-            f"{p.bytes_per_request_decode:>12.1f}"
+            f"{p.bytes_per_request_decode:>12.1f} {100 * p.load_cpu_util:>9.1f} "
+            f"{p.load_us_per_token:>11.1f}"
         )
     return "\n".join(rows)
 
@@ -382,10 +368,10 @@ def format_table(points: list[PointResult]) -> str:
 def format_ratios(points: list[PointResult]) -> str:
     """Each point's steps/s and busy fraction as ratios to the same point with one controller
     ("" when there is none, or only one controller was measured)."""
-    ones = {(p.executors, p.running): p for p in points if p.controllers == 1}
+    ones = {(p.executors, p.running, p.stream): p for p in points if p.controllers == 1}
     rows = [f"{'ctls':>4} {'execs':>5} {'running':>7} {'steps/s x':>9} {'busy x':>7}"]
     for p in points:
-        one = ones.get((p.executors, p.running))
+        one = ones.get((p.executors, p.running, p.stream))
         if one is None or p.controllers == 1:
             continue
         steps = p.steps_per_s / max(one.steps_per_s, 1e-9)
@@ -394,6 +380,11 @@ def format_ratios(points: list[PointResult]) -> str:
             f"{p.controllers:>4} {p.executors:>5} {p.running:>7} {steps:>9.2f} {busy:>7.2f}"
         )
     return "\n".join(rows) if len(rows) > 1 else ""
+
+
+def stream_modes(choice: str) -> list[bool]:
+    """--stream's modes: streamed (True), non-streamed (False), or both, non-streamed first."""
+    return {"no": [False], "yes": [True], "both": [False, True]}[choice]
 
 
 def _ints(text: str) -> list[int]:
@@ -451,6 +442,17 @@ def main(argv=None) -> None:
     p.add_argument(
         "--controller-args", default="", help="extra controller flags, e.g. '--pipeline-depth 3'"
     )
+    p.add_argument(
+        "--stream",
+        choices=["no", "yes", "both"],
+        nargs="?",
+        const="yes",
+        default="no",
+        help="the load generator's requests streamed (SSE, read as they come), or both modes",
+    )
+    p.add_argument(
+        "--py-spy", default="", help="record the controller with py-spy into this folder"
+    )
     p.add_argument("--json", default="", help="write the results here")
     a = p.parse_args(argv)
     vocab = load_model_geometry(a.model).vocab_size
@@ -465,9 +467,14 @@ def main(argv=None) -> None:
                     for controllers in a.controllers:
                         if running < count or count < controllers:
                             continue
-                        point = run_point(a, tmp, ports, metric_ports, running, vocab, controllers)
-                        points.append(point)
-                        print(format_table([point]).splitlines()[-1], file=sys.stderr, flush=True)
+                        for stream in stream_modes(a.stream):
+                            point = run_point(
+                                a, tmp, ports, metric_ports, running, vocab, stream, controllers
+                            )
+                            points.append(point)
+                            print(
+                                format_table([point]).splitlines()[-1], file=sys.stderr, flush=True
+                            )
             finally:
                 stop_processes(procs)
     print(format_table(points))

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from common.wire.step_types import TokenLogprobs
 from controller.api.errors import APIError
+from controller.api.sse import ChunkTemplate
 from controller.api.tool_output import ToolPolicy, ToolStream
 from controller.text.tokenizer import Tokenizer
 
@@ -112,6 +113,7 @@ class CompletionFormatter:
         self.logprobs = logprobs
         self.tokenizer = tokenizer
         self.token_text = _TokenText(tokenizer)
+        self.template = ChunkTemplate(meta.id, "text_completion", meta.created, meta.model)
 
     def _prompt_text(self, prompt: Prompt) -> str:
         if prompt.text is not None:
@@ -185,6 +187,19 @@ class CompletionFormatter:
     def stream_prelude(self, num_choices: int, include_usage: bool) -> list[dict]:
         return []
 
+    def stream_bytes(
+        self, choice: Choice, d: OutputDelta, first: bool, include_usage: bool
+    ) -> bytes | None:
+        """The SSE event of a plain delta (no logprobs, no echoed prompt) from the template,
+        b"" when it says nothing; None: not plain, `stream_chunk` builds it."""
+        if self.logprobs is not None or (first and self.echo):
+            return None
+        if not d.text and not d.finished:
+            return b""
+        reason = d.finish_reason if d.finished else None
+        ids = d.token_ids if self.return_token_ids else None
+        return self.template.completion(choice.index, d.text, reason, ids, include_usage)
+
     def stream_chunk(
         self, choice: Choice, d: OutputDelta, first: bool, include_usage: bool
     ) -> dict | None:
@@ -254,6 +269,7 @@ class ChatFormatter:
         # Reads tool calls out of the output (None: the output is plain text).
         self.tools = tools
         self._tool_stream = None if tools is None else ToolStream(tools)
+        self.template = ChunkTemplate(meta.id, "chat.completion.chunk", meta.created, meta.model)
 
     def _content_logprobs(self, lps: list[TokenLogprobs]) -> list[dict]:
         out = []
@@ -325,6 +341,19 @@ class ChatFormatter:
             )
             for i in range(num_choices)
         ]
+
+    def stream_bytes(
+        self, choice: Choice, d: OutputDelta, first: bool, include_usage: bool
+    ) -> bytes | None:
+        """The SSE event of a plain delta (no logprobs, no tools) from the template, b"" when
+        it says nothing; None: not plain, `stream_chunk` builds it."""
+        if self.logprobs or self._tool_stream is not None:
+            return None
+        if not d.text and not d.finished and not d.token_ids:
+            return b""
+        reason = d.finish_reason if d.finished else None
+        ids = d.token_ids if self.return_token_ids else None
+        return self.template.chat(choice.index, d.text, reason, ids, include_usage)
 
     def stream_chunk(
         self, choice: Choice, d: OutputDelta, first: bool, include_usage: bool

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from controller.api.direct_write import EXTENSION, DirectWrite
 from controller.api.errors import APIError, error_body, error_response
 
 # Why the server closed a connection early (the label of tandem:http_connections_closed_total).
@@ -157,6 +158,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
         if not limit or size <= limit:
             super().on_headers_complete()
+            self._offer_direct_write()
             return
         # The whole head came in one read but is too large: answer through uvicorn's own
         # request cycle, so that the parser's state stays consistent.
@@ -166,6 +168,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             super().on_headers_complete()
         finally:
             self.app = app
+
+    def _offer_direct_write(self) -> None:
+        """Name the new request's cycle in its scope, for the step loop's direct writes of
+        streamed chunks (`direct_write.py`); the app's task has not started yet."""
+        if self.cycle is None:
+            return
+        scope: Any = self.scope
+        extensions = scope.get("extensions")
+        if extensions is None:
+            extensions = scope["extensions"] = {}
+        extensions[EXTENSION] = DirectWrite(self.cycle)
 
     def on_message_complete(self) -> None:
         self._in_message = False

@@ -298,6 +298,7 @@ class OpenAIServing:
             return TicketedStream(
                 ticket,
                 stall,
+                queue,
                 events,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},

@@ -21,36 +21,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from controller.api.admission import ABORT, Ticket
 from controller.api.deltas import DeltaQueue
+from controller.api.direct_write import direct_write_of
 from controller.api.errors import APIError, error_body
 from controller.api.formats import Choice
+from controller.api.stall import ClientStalled, close_guard, guarded
 from controller.core.outputs import GenerationRequest, OutputDelta
 from controller.fleet.engine import Engine, NoExecutorError
 
 log = logging.getLogger(__name__)
-
-
-class ClientStalled(Exception):
-    """A write to the client did not complete within the stall timeout."""
-
-    def __init__(self, timeout: float):
-        super().__init__(f"the client read nothing for {timeout:g}s")
-        self.timeout = timeout  # the stall timeout that ran out
-
-
-def guarded(send: Callable, timeout: float) -> Callable:
-    """`send` that raises ClientStalled when one message takes longer than `timeout` seconds
-    (0: no bound)."""
-    if not timeout:
-        return send
-
-    async def guarded_send(message: dict) -> None:
-        try:
-            async with asyncio.timeout(timeout):
-                await send(message)
-        except TimeoutError:
-            raise ClientStalled(timeout) from None
-
-    return guarded_send
 
 
 async def run_sequences(
@@ -58,20 +36,15 @@ async def run_sequences(
 ) -> AsyncIterator[tuple[int, OutputDelta]]:
     """Run all sequences concurrently; yield (index, delta) as they come; abort on exit.
 
-    When the ticket is aborted (shutdown), every unfinished sequence ends with "abort".
+    The engine's step loops put the deltas straight on `queue` (`Engine.submit`): no task per
+    sequence. When the ticket is aborted (shutdown), every unfinished sequence ends with
+    "abort".
     """
-
-    async def pump(i: int, gen: GenerationRequest) -> None:
-        try:
-            async with contextlib.aclosing(engine.generate(gen)) as stream:
-                async for delta in stream:
-                    queue.put_nowait((i, delta))
-        except Exception as exc:  # surfaced to the handler
-            queue.put_nowait((i, exc))
-
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    handles: list = []
     finished = [False] * len(gens)
     try:
+        for i, gen in enumerate(gens):
+            handles.append(engine.submit(gen, queue.sink(i)))
         remaining = len(gens)
         while remaining:
             i, item = await queue.get()
@@ -81,18 +54,19 @@ async def run_sequences(
                         yield j, OutputDelta(gen.request_id, finished=True, finish_reason="abort")
                 return
             ticket.started(i)
-            if isinstance(item, NoExecutorError):
-                raise APIError(str(item), 503, code="no_healthy_executor")
             if isinstance(item, Exception):
+                finished[i] = True  # it ended there (the engine forgot it)
+                if isinstance(item, NoExecutorError):
+                    raise APIError(str(item), 503, code="no_healthy_executor")
                 raise item
             if item.finished:
                 remaining -= 1
                 finished[i] = True
             yield i, item
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for handle, done in zip(handles, finished):
+            if not done:
+                engine.abort(handle)
 
 
 async def collect(
@@ -141,16 +115,45 @@ def sse_events(
     """The server-sent events of a streamed response, ``data: [DONE]`` last."""
     choices = [Choice(index=i, prompt_index=i // max(1, fmt.n)) for i in range(len(gens))]
 
+    def direct(i: int, d: OutputDelta) -> bool:
+        """Write a plain, unfinished delta straight to the client from the step loop (the
+        writer is idle: everything before it is out); False: it takes the ordinary path."""
+        conn = queue.connection
+        if conn is None or d.finished or d.error:
+            return False
+        try:
+            if not conn.writable():
+                return False
+            c = choices[i]
+            line = fmt.stream_bytes(c, d, not c.token_ids and not c.text, include_usage)
+            if line is None:
+                return False
+            ticket.started(i)
+            c.add(d)
+            if line:
+                conn.write(line)
+            return True
+        except Exception:  # the ordinary path will say what is wrong, on the response's task
+            log.exception("a direct write failed")
+            queue.connection = None
+            return False
+
     async def events() -> AsyncIterator[bytes]:
         try:
             async with contextlib.aclosing(run_sequences(engine, gens, ticket, queue)) as deltas:
                 for prelude in fmt.stream_prelude(len(gens), include_usage):
                     yield sse_line(prelude)
+                queue.direct = direct
                 async for i, d in deltas:
                     first = not choices[i].token_ids and not choices[i].text
                     choices[i].add(d)
                     if d.error:
                         yield sse_line({"error": error_body(APIError(d.error, 500))})
+                        continue
+                    line = fmt.stream_bytes(choices[i], d, first, include_usage)
+                    if line is not None:  # a plain delta, from the template
+                        if line:
+                            yield line
                         continue
                     body = chunk(choices[i], d, first, include_usage)
                     # One body, none, or several (a chat delta that completes tool calls).
@@ -160,6 +163,8 @@ def sse_events(
                     yield sse_line(fmt.usage_chunk(choices))
         except APIError as err:
             yield sse_line({"error": error_body(err)})
+        finally:
+            queue.direct = None
         yield b"data: [DONE]\n\n"
 
     return events()
@@ -169,15 +174,24 @@ class TicketedStream(StreamingResponse):
     """A streamed response that releases its admission ticket however it ends (even when the
     client leaves before the body starts), and aborts when its client stalls."""
 
-    def __init__(self, ticket: Ticket, stall_timeout: float, *args, **kwargs):
+    def __init__(
+        self, ticket: Ticket, stall_timeout: float, queue: DeltaQueue | None, *args, **kwargs
+    ):
         super().__init__(*args, **kwargs)
         self.ticket = ticket  # released when the response is over
         self.stall_timeout = stall_timeout  # seconds one write may wait for the client
+        self.queue = queue  # its sequences' channel: told the connection for direct writes
 
     async def stream_response(self, send) -> None:
-        await super().stream_response(guarded(send, self.stall_timeout))
+        guard = guarded(send, self.stall_timeout)
+        try:
+            await super().stream_response(guard)
+        finally:
+            close_guard(guard)
 
     async def __call__(self, scope, receive, send) -> None:
+        if self.queue is not None:
+            self.queue.connection = direct_write_of(scope)
         try:
             await super().__call__(scope, receive, send)
         except ClientStalled as stalled:
@@ -199,10 +213,13 @@ class GuardedJSONResponse(JSONResponse):
         self.stall_timeout = stall_timeout  # seconds one write may wait for the client
 
     async def __call__(self, scope, receive, send) -> None:
+        guard = guarded(send, self.stall_timeout)
         try:
-            await super().__call__(scope, receive, guarded(send, self.stall_timeout))
+            await super().__call__(scope, receive, guard)
         except ClientStalled as stalled:
             log.warning("%s: the response is dropped", stalled)
+        finally:
+            close_guard(guard)
 
 
 def sse_line(body: dict) -> bytes:

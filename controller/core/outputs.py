@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.wire.step_types import SamplingParams, TokenLogprobs
@@ -49,12 +49,21 @@ class OutputDelta:
 
 
 def own_copy(delta: OutputDelta) -> OutputDelta:
-    """A copy of `delta` whose lists nobody else holds (one `absorb` may grow)."""
-    return replace(
-        delta,
-        token_ids=list(delta.token_ids),
-        logprobs=None if delta.logprobs is None else list(delta.logprobs),
-        prompt_logprobs=None if delta.prompt_logprobs is None else list(delta.prompt_logprobs),
+    """A copy of `delta` whose lists nobody else holds (one `absorb` may grow). Built field by
+    field: `dataclasses.replace` looks the fields up on every call, on the per-token path."""
+    d = delta
+    return OutputDelta(
+        d.request_id,
+        d.text,
+        list(d.token_ids),
+        None if d.logprobs is None else list(d.logprobs),
+        None if d.prompt_logprobs is None else list(d.prompt_logprobs),
+        d.finished,
+        d.finish_reason,
+        d.num_prompt_tokens,
+        d.num_output_tokens,
+        d.num_cached_tokens,
+        d.error,
     )
 
 
@@ -62,22 +71,20 @@ def absorb(into: OutputDelta, later: OutputDelta) -> None:
     """Make ``into`` (a delta whose lists nobody else holds) say what it said and then what
     ``later`` said; counts and status come from ``later``."""
     into.text += later.text
-    into.token_ids.extend(later.token_ids)
-    for name in ("logprobs", "prompt_logprobs"):
-        extra = getattr(later, name)
-        if extra:
-            held = getattr(into, name)
-            if held is None:
-                setattr(into, name, list(extra))
-            else:
-                held.extend(extra)
-    into.finished, into.finish_reason, into.error = (
-        later.finished,
-        later.finish_reason,
-        later.error,
-    )
-    into.num_prompt_tokens, into.num_output_tokens, into.num_cached_tokens = (
-        later.num_prompt_tokens,
-        later.num_output_tokens,
-        later.num_cached_tokens,
-    )
+    into.token_ids += later.token_ids
+    if later.logprobs:
+        if into.logprobs is None:
+            into.logprobs = list(later.logprobs)
+        else:
+            into.logprobs += later.logprobs
+    if later.prompt_logprobs:
+        if into.prompt_logprobs is None:
+            into.prompt_logprobs = list(later.prompt_logprobs)
+        else:
+            into.prompt_logprobs += later.prompt_logprobs
+    into.finished = later.finished
+    into.finish_reason = later.finish_reason
+    into.error = later.error
+    into.num_prompt_tokens = later.num_prompt_tokens
+    into.num_output_tokens = later.num_output_tokens
+    into.num_cached_tokens = later.num_cached_tokens

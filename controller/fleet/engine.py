@@ -45,6 +45,7 @@ from controller.fleet.placement import (
 )
 from controller.fleet.session import ExecutorSession, SessionState
 from controller.fleet.tracked import (
+    DeltaSink,
     Tracked,
     count_finished,
     deliver,
@@ -230,18 +231,12 @@ class Engine(Maintenance, Membership):
         Raises NoExecutorError when no healthy executor takes it within the timeout; a request
         that cannot run ends with an error delta.
         """
-        tracked = track(gen, self.tokenizer)
-        problem = new_request_wire_problem(
-            NewRequestData(gen.request_id, gen.prompt_token_ids, [], gen.sampling, [], 0, 0)
-        )
-        if problem:  # it would fail the step it joins: it fails alone, before any executor
-            self._fail_alone(tracked, problem)
-        else:
-            self._place_or_wait(tracked)
+        queue: asyncio.Queue = asyncio.Queue()
+        tracked = self.submit(gen, queue)
         finished = False
         try:
             while not finished:
-                item = await tracked.queue.get()
+                item = await queue.get()
                 if isinstance(item, Exception):
                     finished = True
                     raise item
@@ -249,7 +244,25 @@ class Engine(Maintenance, Membership):
                 yield item
         finally:
             if not finished:
-                self._abort(tracked)
+                self.abort(tracked)
+
+    def submit(self, gen: GenerationRequest, sink: DeltaSink) -> Tracked:
+        """Start one request whose deltas (or a NoExecutorError) the step loops put on `sink`
+        as they make them: no task of its own, no queue between the step and the response's
+        writer. The caller aborts it (`abort`) if it stops reading before the last delta."""
+        tracked = track(gen, self.tokenizer, sink)
+        problem = new_request_wire_problem(
+            NewRequestData(gen.request_id, gen.prompt_token_ids, [], gen.sampling, [], 0, 0)
+        )
+        if problem:  # it would fail the step it joins: it fails alone, before any executor
+            self._fail_alone(tracked, problem)
+        else:
+            self._place_or_wait(tracked)
+        return tracked
+
+    def abort(self, tracked: Tracked) -> None:
+        """End a request its reader gave up on (its blocks go back); nothing if it is over."""
+        self._abort(tracked)
 
     def _abort(self, tracked: Tracked) -> None:
         session = self.sessions.get(tracked.placed_on) if tracked.placed_on else None

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import InitVar, dataclass, field, replace
-from typing import TYPE_CHECKING
+from dataclasses import InitVar, dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from common.wire.request_ids import request_id_of
-from controller.core.outputs import GenerationRequest, OutputDelta, absorb
+from controller.core.outputs import GenerationRequest, OutputDelta, absorb, own_copy
 from controller.core.request import Request
 from controller.core.scheduler import RequestUpdate
 from controller.observe.metrics import EngineMetrics, ExecutorSeries, RequestStats
@@ -18,12 +18,21 @@ if TYPE_CHECKING:
     from controller.text.tokenizer import Tokenizer
 
 
+class DeltaSink(Protocol):
+    """Where a request's deltas go as the step loop makes them: an asyncio.Queue
+    (`Engine.generate`), or a response's own channel (controller/api/deltas.py), which the
+    step loop fills for every stream of a step before the response's writer wakes once."""
+
+    def put_nowait(self, item: OutputDelta | Exception) -> None:
+        """Take a delta, or the exception that ends the request (NoExecutorError)."""
+
+
 @dataclass(eq=False)
 class Tracked:
     """Engine-side state of one generation request, wherever it runs."""
 
     gen: GenerationRequest  # what the API asked for
-    queue: asyncio.Queue  # OutputDelta items (or an exception) for the API handler
+    queue: DeltaSink  # OutputDelta items (or an exception) for the API handler
     text: OutputTextState  # incremental detokenizer + stop strings
     request: Request | None  # the scheduler's request (a new one on every placement)
     arrival: InitVar[float]  # perf_counter at arrival (kept in `stats`)
@@ -63,11 +72,12 @@ class Tracked:
         return self.request.output_token_ids if self.request is not None else []
 
 
-def track(gen: GenerationRequest, tokenizer: Tokenizer) -> Tracked:
-    """A new request's state: its queue to the API handler, its detokenizer, its arrival."""
+def track(gen: GenerationRequest, tokenizer: Tokenizer, sink: DeltaSink | None = None) -> Tracked:
+    """A new request's state: its sink to the API handler (a new asyncio.Queue by default),
+    its detokenizer, its arrival."""
     return Tracked(
         gen=gen,
-        queue=asyncio.Queue(),
+        queue=sink if sink is not None else asyncio.Queue(),
         text=OutputTextState(
             tokenizer,
             gen.prompt_token_ids,
@@ -210,11 +220,6 @@ def deliver(tracked: Tracked, delta: OutputDelta) -> None:
             )
         tracked.queue.put_nowait(delta)
     elif held is None:  # a copy whose lists this request alone grows
-        tracked.held = replace(
-            delta,
-            token_ids=list(delta.token_ids),
-            logprobs=None if delta.logprobs is None else list(delta.logprobs),
-            prompt_logprobs=None if delta.prompt_logprobs is None else list(delta.prompt_logprobs),
-        )
+        tracked.held = own_copy(delta)
     else:
         absorb(held, delta)

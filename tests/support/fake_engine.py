@@ -3,6 +3,7 @@ subclass `FakeEngineBase` and write `generate` (what the "model" answers)."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry
@@ -18,6 +19,26 @@ class FakeEngineBase:
         self.healthy = True
         self.metrics = SimpleNamespace(registry=CollectorRegistry())
         self.gens: list = []  # the GenerationRequests generate() got, in order
+
+    def submit(self, gen, sink) -> asyncio.Task:
+        """`Engine.submit` over a subclass's `generate`: a task puts its deltas on `sink`."""
+
+        async def pump() -> None:
+            try:
+                async for delta in self.generate(gen):
+                    sink.put_nowait(delta)
+            except Exception as exc:  # the response raises it, as with the real engine
+                sink.put_nowait(exc)
+
+        return asyncio.get_running_loop().create_task(pump())
+
+    def abort(self, handle: asyncio.Task) -> None:
+        """`Engine.abort`: stop the request's task."""
+        handle.cancel()
+
+    async def generate(self, gen):
+        raise NotImplementedError
+        yield  # an async generator
 
     def executors_state(self) -> list[dict]:
         return []

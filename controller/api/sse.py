@@ -1,0 +1,66 @@
+"""Pre-serialised SSE chunks for the plain streamed delta: text (and token ids), no logprobs.
+
+Most streamed chunks differ only in their choice's index, text and finish reason; building a
+dict and running `json.dumps` over it for each one cost the controller more per token than the
+step that made the token. A `ChunkTemplate` serialises a response's constant fields once and
+fills the rest in, byte for byte what ``sse_line(body)`` writes for the same body (json's
+default separators, ``ensure_ascii=False``, invalid UTF-8 replaced).
+"""
+
+from __future__ import annotations
+
+import json
+from json.encoder import encode_basestring  # the str encoder json.dumps uses (ensure_ascii off)
+
+
+class ChunkTemplate:
+    """The bytes of one response's plain streamed chunks (`object` names the chunk kind)."""
+
+    def __init__(self, response_id: str, obj: str, created: int, model: str):
+        head = json.dumps(
+            {"id": response_id, "object": obj, "created": created, "model": model},
+            ensure_ascii=False,
+        )
+        # 'data: {"id": ..., "model": ..., "choices": [{"index": ' then the choice's fields.
+        self.head = f'data: {head[:-1]}, "choices": [{{"index": '  # before the index
+        self.tails = ("}]}\n\n", '}], "usage": null}\n\n')  # without / with usage
+
+    def completion(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        token_ids: list[int] | None,
+        include_usage: bool,
+    ) -> bytes:
+        """A /v1/completions chunk: {"index", "text", "logprobs": null, "finish_reason"[,
+        "token_ids"]}."""
+        body = f'{index}, "text": {encode_basestring(text)}, "logprobs": null'
+        return self._chunk(body, finish_reason, token_ids, include_usage)
+
+    def chat(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        token_ids: list[int] | None,
+        include_usage: bool,
+    ) -> bytes:
+        """A chat chunk: {"index", "delta": {"content"} or {}, "logprobs": null,
+        "finish_reason"[, "token_ids"]}."""
+        delta = f'{{"content": {encode_basestring(text)}}}' if text else "{}"
+        body = f'{index}, "delta": {delta}, "logprobs": null'
+        return self._chunk(body, finish_reason, token_ids, include_usage)
+
+    def _chunk(
+        self,
+        body: str,
+        finish_reason: str | None,
+        token_ids: list[int] | None,
+        include_usage: bool,
+    ) -> bytes:
+        reason = "null" if finish_reason is None else encode_basestring(finish_reason)
+        ids = "" if token_ids is None else f', "token_ids": {json.dumps(token_ids)}'
+        tail = self.tails[include_usage]
+        line = f'{self.head}{body}, "finish_reason": {reason}{ids}{tail}'
+        return line.encode("utf-8", "replace")
