@@ -33,9 +33,11 @@ LABEL org.opencontainers.image.title="tandem-controller" \
       org.opencontainers.image.licenses="Apache-2.0"
 RUN groupadd --system --gid 10001 tandem \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
-      --shell /usr/sbin/nologin tandem
+      --shell /usr/sbin/nologin tandem \
+ && mkdir -p /opt/tandem
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
+# Made above: WORKDIR alone does not create it with every builder (podman's buildah).
 WORKDIR /opt/tandem
 USER 10001:10001
 EXPOSE 8000

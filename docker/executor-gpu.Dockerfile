@@ -43,10 +43,12 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 tandem \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
-      --shell /usr/sbin/nologin tandem
+      --shell /usr/sbin/nologin tandem \
+ && mkdir -p /opt/tandem
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp \
     NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
+# Made above: WORKDIR alone does not create it with every builder (podman's buildah).
 WORKDIR /opt/tandem
 USER 10001:10001
 EXPOSE 50051

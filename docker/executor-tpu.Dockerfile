@@ -33,10 +33,12 @@ LABEL org.opencontainers.image.title="tandem-executor-tpu" \
       org.opencontainers.image.licenses="Apache-2.0"
 RUN groupadd --system --gid 10001 tandem \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
-      --shell /usr/sbin/nologin tandem
+      --shell /usr/sbin/nologin tandem \
+ && mkdir -p /opt/tandem
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp \
     PJRT_DEVICE=TPU
+# Made above: WORKDIR alone does not create it with every builder (podman's buildah).
 WORKDIR /opt/tandem
 # Non-root by default; on nodes whose TPU device files only root may open, the chart's tpu
 # pool runs the container as uid 0 (values: tpu.securityContext).
