@@ -22,9 +22,13 @@ COPY proto ./proto
 COPY common ./common
 COPY executor_tpu ./executor_tpu
 # torch_xla must match torch's version (pyproject's tpu extra pins both); [tpu] adds libtpu.
+# TORCH_INDEX_URL: an extra wheel index for torch; unset, PyPI's torch, which is the CUDA build
+# and brings ~4 GB of NVIDIA libraries a TPU never uses: https://download.pytorch.org/whl/cpu
+# gives 2.9.0+cpu instead, which satisfies torch_xla's pin.
+ARG TORCH_INDEX_URL
 RUN pip install "grpcio-tools>=1.66" \
  && python -m grpc_tools.protoc -Icommon/wire/pb=proto --python_out=. --grpc_python_out=. proto/executor.proto \
- && pip install ".[tpu]" "torch_xla[tpu]==2.9.0" \
+ && pip install ${TORCH_INDEX_URL:+--extra-index-url=$TORCH_INDEX_URL} ".[tpu]" "torch_xla[tpu]==2.9.0" \
  && pip uninstall -y grpcio-tools
 
 FROM ${BASE_IMAGE}
