@@ -63,7 +63,7 @@ fleet: setup lb-deps
 	  --executor-port $(EXECUTOR_PORT) --executor-args="--kv-cache-bytes 536870912" \
 	  --executor-limits tpu=64,8 --controllers $(CONTROLLERS)
 
-test: setup chart-deps prometheus-deps lb-deps
+test: setup chart-deps prometheus-deps lb-deps image-deps
 	TANDEM_MODEL_DIR=$(MODEL_DIR) $(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
 # The default suite without the slow end-to-end tests.
@@ -93,10 +93,15 @@ clean:
 # --- Helm chart and container images ------------------------------------------------------------
 IMAGE_REGISTRY ?=
 IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
-DOCKER ?= docker
+# podman or docker, whichever is present (podman builds without a daemon, as root here with
+# chroot isolation since its runtime cannot start containers on every host).
+DOCKER ?= $(shell command -v podman >/dev/null 2>&1 && echo podman || echo docker)
+DOCKER_BUILD_FLAGS := $(if $(filter podman,$(notdir $(DOCKER))),--isolation chroot,)
+# Extra build arguments, e.g. --build-arg BASE_IMAGE=... --build-arg TORCH_INDEX_URL=...
+IMAGE_BUILD_ARGS ?=
 IMAGES := controller executor-gpu executor-tpu
 
-.PHONY: chart-deps chart-test images docker-engine $(addprefix image-,$(IMAGES))
+.PHONY: chart-deps chart-test images image-deps docker-engine $(addprefix image-,$(IMAGES))
 
 # What the chart tests render with when no helm binary is on PATH: Go, sprig and a YAML library
 # from Debian's packages (idempotent; root or sudo).
@@ -112,10 +117,17 @@ chart-test: deps chart-deps
 images: $(addprefix image-,$(IMAGES))
 
 $(addprefix image-,$(IMAGES)): image-%: docker-engine
-	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/$*.Dockerfile -t $(IMAGE_REGISTRY)tandem/$*:$(IMAGE_TAG) .
+	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/$*.Dockerfile -t $(IMAGE_REGISTRY)tandem/$*:$(IMAGE_TAG) \
+	  $(DOCKER_BUILD_FLAGS) $(IMAGE_BUILD_ARGS) .
 
 docker-engine:
-	@$(DOCKER) info >/dev/null 2>&1 || { echo "no Docker engine answers ($(DOCKER) info failed): images need one" >&2; exit 1; }
+	@$(DOCKER) info >/dev/null 2>&1 || { echo "no image builder answers ($(DOCKER) info failed): images need podman or a Docker engine" >&2; exit 1; }
+
+# What the image tests (tests/deploy/test_image_run.py, slow) build with: podman and
+# debootstrap from Debian's packages (idempotent; root or sudo); the tests make the base image.
+image-deps:
+	@command -v podman >/dev/null && command -v debootstrap >/dev/null \
+	  || bash scripts/apt_install.sh podman debootstrap
 
 # --- Benchmarks (see benchmarks/README.md) -------------------------------------------------------
 BENCH_URL ?= http://$(HOST):$(PORT)

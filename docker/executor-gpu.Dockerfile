@@ -3,7 +3,17 @@
 # driver comes in through the NVIDIA container runtime).
 # Build from the repository root: docker build -f docker/executor-gpu.Dockerfile -t tandem/executor-gpu .
 
-FROM python:3.11.13-slim-bookworm AS build
+# The base image: the official Python image by default; the image tests build from a local
+# Debian bookworm base with the same Python (scripts/build_base_image.sh) where no registry is
+# reachable.
+ARG BASE_IMAGE=python:3.11.13-slim-bookworm
+
+FROM ${BASE_IMAGE} AS build
+# pip's index, extra index and CA bundle when not PyPI's (a mirror): unset by default, and
+# build arguments of this stage only, so nothing of the build host reaches the runtime image.
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
@@ -12,12 +22,15 @@ COPY pyproject.toml ./
 COPY proto ./proto
 COPY common ./common
 COPY executor_gpu ./executor_gpu
+# TORCH_INDEX_URL: an extra wheel index for torch; unset, PyPI's CUDA build. A CPU-only image
+# (tests, CPU nodes): https://download.pytorch.org/whl/cpu, whose 2.9.0+cpu satisfies the pin.
+ARG TORCH_INDEX_URL
 RUN pip install "grpcio-tools>=1.66" \
  && python -m grpc_tools.protoc -Icommon/wire/pb=proto --python_out=. --grpc_python_out=. proto/executor.proto \
- && pip install ".[gpu]" \
+ && pip install ${TORCH_INDEX_URL:+--extra-index-url=$TORCH_INDEX_URL} ".[gpu]" \
  && pip uninstall -y grpcio-tools
 
-FROM python:3.11.13-slim-bookworm
+FROM ${BASE_IMAGE}
 LABEL org.opencontainers.image.title="tandem-executor-gpu" \
       org.opencontainers.image.description="Tandem GPU executor (CUDA torch, gRPC)" \
       org.opencontainers.image.licenses="Apache-2.0"
@@ -30,10 +43,12 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 tandem \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
-      --shell /usr/sbin/nologin tandem
+      --shell /usr/sbin/nologin tandem \
+ && mkdir -p /opt/tandem
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp \
     NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
+# Made above: WORKDIR alone does not create it with every builder (podman's buildah).
 WORKDIR /opt/tandem
 USER 10001:10001
 EXPOSE 50051

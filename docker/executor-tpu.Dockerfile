@@ -2,7 +2,17 @@
 # Tandem TPU executor: torch + torch_xla with libtpu (torch_xla's "tpu" extra), PJRT on TPU.
 # Build from the repository root: docker build -f docker/executor-tpu.Dockerfile -t tandem/executor-tpu .
 
-FROM python:3.11.13-slim-bookworm AS build
+# The base image: the official Python image by default; the image tests build from a local
+# Debian bookworm base with the same Python (scripts/build_base_image.sh) where no registry is
+# reachable.
+ARG BASE_IMAGE=python:3.11.13-slim-bookworm
+
+FROM ${BASE_IMAGE} AS build
+# pip's index, extra index and CA bundle when not PyPI's (a mirror): unset by default, and
+# build arguments of this stage only, so nothing of the build host reaches the runtime image.
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
@@ -12,21 +22,27 @@ COPY proto ./proto
 COPY common ./common
 COPY executor_tpu ./executor_tpu
 # torch_xla must match torch's version (pyproject's tpu extra pins both); [tpu] adds libtpu.
+# TORCH_INDEX_URL: an extra wheel index for torch; unset, PyPI's torch, which is the CUDA build
+# and brings ~4 GB of NVIDIA libraries a TPU never uses: https://download.pytorch.org/whl/cpu
+# gives 2.9.0+cpu instead, which satisfies torch_xla's pin.
+ARG TORCH_INDEX_URL
 RUN pip install "grpcio-tools>=1.66" \
  && python -m grpc_tools.protoc -Icommon/wire/pb=proto --python_out=. --grpc_python_out=. proto/executor.proto \
- && pip install ".[tpu]" "torch_xla[tpu]==2.9.0" \
+ && pip install ${TORCH_INDEX_URL:+--extra-index-url=$TORCH_INDEX_URL} ".[tpu]" "torch_xla[tpu]==2.9.0" \
  && pip uninstall -y grpcio-tools
 
-FROM python:3.11.13-slim-bookworm
+FROM ${BASE_IMAGE}
 LABEL org.opencontainers.image.title="tandem-executor-tpu" \
       org.opencontainers.image.description="Tandem TPU executor (torch_xla, libtpu, gRPC)" \
       org.opencontainers.image.licenses="Apache-2.0"
 RUN groupadd --system --gid 10001 tandem \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
-      --shell /usr/sbin/nologin tandem
+      --shell /usr/sbin/nologin tandem \
+ && mkdir -p /opt/tandem
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp \
     PJRT_DEVICE=TPU
+# Made above: WORKDIR alone does not create it with every builder (podman's buildah).
 WORKDIR /opt/tandem
 # Non-root by default; on nodes whose TPU device files only root may open, the chart's tpu
 # pool runs the container as uid 0 (values: tpu.securityContext).

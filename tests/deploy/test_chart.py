@@ -75,6 +75,7 @@ DEFAULT_OBJECTS = {
     ("Deployment", CTRL),
     ("Service", CTRL),
     ("ConfigMap", "tandem-dashboards"),
+    ("Pod", "tandem-test"),  # the `helm test` hook
     *_pool(GPU),
     *GENERATED_SECRETS,
 }
@@ -498,6 +499,7 @@ def test_optional_features_off_and_on(renderer, tmp_path):
             "serviceAccount": {"create": False},
             "dashboards": {"enabled": False},
             "metrics": {"serviceMonitor": {"enabled": False}},
+            "tests": {"enabled": False},
         },
         tmp_path=tmp_path,
     )

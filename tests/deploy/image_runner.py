@@ -1,0 +1,178 @@
+"""Build the images of docker/ with podman and run them where containers cannot start.
+
+Podman builds as root with chroot isolation (its runtime needs cgroups and setrlimit, refused on
+this kind of host). An image runs as its config says, nothing taken from the source tree: a
+container is created (never started) and mounted, /proc and /dev are bound into its root file
+system and the model copied there, and the image's ENTRYPOINT runs there under `chroot` as the
+image's USER, in its WORKDIR, with exactly its ENV (plus what the test passes). The host's
+network is shared, so the processes talk over 127.0.0.1 as in one pod.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The local base (scripts/build_base_image.sh); TANDEM_TEST_BASE_IMAGE: another, e.g. a base
+# already built on this machine.
+BASE_IMAGE = os.environ.get("TANDEM_TEST_BASE_IMAGE", "localhost/tandem-base:bookworm-py3.11-v2")
+# Free bytes podman's store needs: the GPU image from scratch at its peak, or the controller's.
+MIN_FREE_BYTES = {"executor-gpu": 20 * 2**30, "controller": 3 * 2**30}
+TAG = "test"  # tag of the images the tests build: localhost/tandem/<image>:test
+
+
+def podman_usable(images: list[str]) -> str:
+    """Why the image tests cannot build and run `images` here, or "" when they can."""
+    if not shutil.which("podman") or not shutil.which("debootstrap"):
+        return "podman and debootstrap are not installed (make image-deps)"
+    if os.geteuid() != 0:
+        return "podman's chroot builds and the chroot runs need root"
+    # PyPI's torch is the CUDA build: the GPU image holds ~7.3 GB, and podman's overlay store
+    # needs about twice that while it commits the layer.
+    store = "/var/lib/containers/storage"
+    free = shutil.disk_usage(store if os.path.exists(store) else "/").free
+    need = max(MIN_FREE_BYTES[image] for image in images)
+    if free < need:
+        return (
+            f"{free / 2**30:.0f} GiB free for podman's store; building {', '.join(images)} "
+            f"needs {need / 2**30:.0f} GiB"
+        )
+    return ""
+
+
+def host_pip_args() -> list[str]:
+    """Build arguments that give the build this host's pip index and CA bundle (file:// indexes
+    left out: the build cannot see them)."""
+    args = []
+    for var in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"):
+        urls = [u for u in os.environ.get(var, "").split() if not u.startswith("file:")]
+        if urls:
+            args += ["--build-arg", f"{var}={' '.join(urls)}"]
+    cert = os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE")
+    if cert:
+        # The local base holds the host's extra CAs in Debian's bundle, at the usual path.
+        args += ["--build-arg", "PIP_CERT=/etc/ssl/certs/ca-certificates.crt"]
+    torch_index = os.environ.get("TANDEM_TEST_TORCH_INDEX_URL")
+    if torch_index:
+        args += ["--build-arg", f"TORCH_INDEX_URL={torch_index}"]
+    return args
+
+
+def build_base(log_path: str) -> float:
+    """The local Debian base (scripts/build_base_image.sh; kept once built); seconds taken."""
+    start = time.monotonic()
+    with open(log_path, "a") as log:
+        subprocess.run(
+            ["nice", "-n", "10", "bash", "scripts/build_base_image.sh", BASE_IMAGE],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=True,
+        )
+    return time.monotonic() - start
+
+
+def build(image: str, log_path: str, timeout: float = 1800) -> float:
+    """`podman build` of docker/<image>.Dockerfile from BASE_IMAGE as localhost/tandem/<image>
+    (cached layers reused); seconds taken."""
+    cmd = ["nice", "-n", "10", "podman", "build", "--isolation", "chroot"]
+    cmd += ["-f", f"docker/{image}.Dockerfile", "-t", f"localhost/tandem/{image}:{TAG}"]
+    cmd += ["--build-arg", f"BASE_IMAGE={BASE_IMAGE}", *host_pip_args(), "."]
+    start = time.monotonic()
+    with open(log_path, "a") as log:
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        subprocess.run(
+            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=timeout
+        )
+    return time.monotonic() - start
+
+
+@dataclass
+class ImageConfig:
+    """What an image's config says about how it runs."""
+
+    entrypoint: list[str]  # ENTRYPOINT (exec form)
+    user: str  # USER, "uid:gid"
+    workdir: str  # WORKDIR
+    env: dict[str, str]  # ENV
+    size: int  # bytes, as podman reports it
+    exposed: list[str] = field(default_factory=list)  # EXPOSE, "port/proto"
+
+
+def inspect(image: str) -> ImageConfig:
+    out = subprocess.run(
+        ["podman", "image", "inspect", f"localhost/tandem/{image}:{TAG}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    info = json.loads(out)[0]
+    config = info["Config"]
+    env = dict(e.split("=", 1) for e in config.get("Env", []))
+    return ImageConfig(
+        entrypoint=config.get("Entrypoint") or [],
+        user=config.get("User", ""),
+        workdir=config.get("WorkingDir", "/"),
+        env=env,
+        size=int(info["Size"]),
+        exposed=sorted(config.get("ExposedPorts", {})),
+    )
+
+
+class ChrootContainer:
+    """A created, mounted container of an image; run() starts its entrypoint under chroot."""
+
+    def __init__(self, image: str, model_dir: str):
+        self.image = image
+        self.config = inspect(image)
+        self.cid = _podman("create", f"localhost/tandem/{image}:{TAG}")
+        self.root = _podman("mount", self.cid)
+        self.mounts: list[str] = []
+        self.model = f"/models/{os.path.basename(model_dir.rstrip('/'))}"
+        self._bind("/proc", "/proc", ["-t", "proc", "proc"])
+        self._bind("/dev", "/dev", ["--bind", "/dev"], private=True)
+        # Copied, owned by the image's user: a bind would keep the host's modes, and the
+        # converter writes model.safetensors 0600 for root (a pod gets its files by fsGroup).
+        target = self.root + self.model
+        shutil.copytree(model_dir, target)
+        uid, _, gid = self.config.user.partition(":")
+        subprocess.run(["chown", "-R", f"{uid}:{gid or uid}", target], check=True)
+
+    def _bind(self, source: str, target: str, how: list[str], private: bool = False) -> None:
+        path = self.root + target
+        os.makedirs(path, exist_ok=True)
+        subprocess.run(["mount", *how, path], check=True)
+        self.mounts.append(path)
+        if private:  # nothing mounted below it here reaches the host's tree
+            subprocess.run(["mount", "--make-private", path], check=True)
+
+    def run(self, args: list[str], log_path: str, env: dict[str, str] | None = None):
+        """The image's ENTRYPOINT + args as its USER, in its WORKDIR, with its ENV (+ env)."""
+        c = self.config
+        variables = [f"{k}={v}" for k, v in {**c.env, **(env or {})}.items()]
+        cmd = ["chroot", f"--userspec={c.user}", self.root]
+        cmd += ["/usr/bin/env", "-i", "-C", c.workdir, *variables, *c.entrypoint, *args]
+        log = open(log_path, "w")
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def du(self, path: str) -> int:
+        """Bytes under path in the image's file system."""
+        out = subprocess.run(["du", "-sb", self.root + path], capture_output=True, text=True)
+        return int(out.stdout.split()[0]) if out.returncode == 0 else 0
+
+    def close(self) -> None:
+        for path in reversed(self.mounts):
+            subprocess.run(["umount", "-l", path], check=False)
+        subprocess.run(["podman", "umount", self.cid], capture_output=True, check=False)
+        subprocess.run(["podman", "rm", "-f", self.cid], capture_output=True, check=False)
+
+
+def _podman(*args: str) -> str:
+    out = subprocess.run(["podman", *args], capture_output=True, text=True, check=True)
+    return out.stdout.strip()
