@@ -265,16 +265,22 @@ def main(argv=None) -> None:
     runners = {"tandem": run_tandem, "hf_static": run_hf_static, "vllm": run_vllm}
     specs = make_requests(workload_from_args(a))
     results: dict[str, dict] = {}
+    failed: dict[str, str] = {}
     for name in wanted:
         print(f"== {name}", file=sys.stderr, flush=True)
-        results[name] = runners[name](a, specs)
+        try:
+            results[name] = runners[name](a, specs)
+        except Exception as exc:  # one system failing (a slow start) keeps the others' figures
+            print(f"{name} failed: {exc}", file=sys.stderr, flush=True)
+            failed[name] = str(exc)
     print(format_table(results))
     if a.json:
-        out = {
+        out: dict = {
             "concurrency": a.concurrency,
             "dtype": a.dtype,
             "workload": asdict(workload_from_args(a)),
             "results": results,
+            "failed": failed,
         }
         if "tandem" in results:
             out["ratios"] = {
