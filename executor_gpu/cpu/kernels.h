@@ -129,9 +129,12 @@ torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> 
                               torch::Tensor query_start_loc, double scale);
 
 // Linear layers over weights packed into column panels (packed_linear.cpp):
-// pack_linear_weight([in, out]) -> [out / kPanel, in, kPanel]; packed_linear(x, packed, bias).
+// pack_linear_weight([in, out]) -> [out / kPanel, in, kPanel], or with pairs (bf16 only, for
+// the AVX-512 bf16 dot products: bf16_dot_supported()) [out / kPanel, in / 2, kPanel, 2];
+// packed_linear(x, packed, bias) takes either.
 constexpr int64_t kPanel = 64;
-torch::Tensor pack_linear_weight(torch::Tensor weight);
+bool bf16_dot_supported();
+torch::Tensor pack_linear_weight(torch::Tensor weight, bool pairs);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed,
                             std::optional<torch::Tensor> bias);
 

@@ -79,6 +79,12 @@ def enabled() -> bool:
     return os.environ.get("TANDEM_CPU_KERNELS", "1") != "0"
 
 
+def bf16_dot_enabled(module) -> bool:
+    """Whether bf16 linear layers use the AVX-512 bf16 dot products (pair-interleaved panels):
+    where the CPU has them (cpuid) unless TANDEM_CPU_BF16_DOT=0 asks for the float32-FMA path."""
+    return os.environ.get("TANDEM_CPU_BF16_DOT", "1") != "0" and module.bf16_dot_supported()
+
+
 def load_kernels():
     """The compiled extension module, or None when it cannot be built (logged once)."""
     with _lock:

@@ -13,19 +13,26 @@ from __future__ import annotations
 import torch
 
 from common.torch.models.layer_ops import TORCH_LAYER_OPS, LayerOps, torch_logits
-from executor_gpu.cpu.kernels import load_kernels
+from executor_gpu.cpu.kernels import bf16_dot_enabled, load_kernels
 
 
-def layer_ops_of(module) -> LayerOps:
-    """A ``LayerOps`` over the built kernels (float32 or bfloat16 models)."""
+def layer_ops_of(module, bf16_dot: bool | None = None) -> LayerOps:
+    """A ``LayerOps`` over the built kernels (float32 or bfloat16 models). ``bf16_dot``: bf16
+    weights packed for the AVX-512 bf16 dot products (default: ``bf16_dot_enabled``)."""
     rotary_ = module.rotary_
-    pack, packed_linear, panel = module.pack_linear_weight, module.packed_linear, module.PANEL
+    packed_linear, panel = module.packed_linear, module.PANEL
+    if bf16_dot is None:
+        bf16_dot = bf16_dot_enabled(module)
+
+    def pack(weight: torch.Tensor) -> torch.Tensor:  # [in, out] -> panels (3-D, or 4-D pairs)
+        pairs = bf16_dot and weight.dtype == torch.bfloat16 and weight.shape[0] % 2 == 0
+        return module.pack_linear_weight(weight, pairs)
 
     def prepare_linear(weight: torch.Tensor) -> torch.Tensor:
         return pack(weight) if weight.shape[1] % panel == 0 else weight
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if weight.dim() == 3:  # packed
+        if weight.dim() > 2:  # packed
             return packed_linear(x, weight, bias)
         return TORCH_LAYER_OPS.linear(x, weight, bias)
 
@@ -34,7 +41,7 @@ def layer_ops_of(module) -> LayerOps:
         return pack(embedding.t()) if embedding.shape[0] % panel == 0 else embedding
 
     def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if weight.dim() == 3:  # packed
+        if weight.dim() > 2:  # packed
             return packed_linear(hidden, weight, None).float()  # no copy in float32
         return torch_logits(hidden, weight)
 
@@ -61,7 +68,7 @@ def layer_ops_of(module) -> LayerOps:
     )
 
 
-def layer_ops() -> LayerOps | None:
+def layer_ops(bf16_dot: bool | None = None) -> LayerOps | None:
     """The fused CPU layer ops, or None without the built kernels."""
     module = load_kernels()
-    return None if module is None else layer_ops_of(module)
+    return None if module is None else layer_ops_of(module, bf16_dot)

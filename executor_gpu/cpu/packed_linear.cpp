@@ -9,13 +9,20 @@
 // back. A task owns a panel and a range of rows; it keeps kRowTile rows' accumulators for the
 // panel's columns in vector registers and streams the panel once per row tile (from cache
 // after the first). The same code serves prefill-sized batches, where it is compute-bound.
-// In bfloat16 the panels hold bf16 weights (half the bytes to stream: a decode step is that
-// much shorter), widened to float32 in registers; the rows of x are widened to float32 once per
-// call (a pass over x, against one over the weights per row tile); the sums are float32 and
-// each output is rounded to bf16 once, as the reference's GEMM does.
+//
+// bfloat16 has two forms. Where the CPU has AVX-512 bf16 (`vdpbf16ps`, detected at run time)
+// the panels are pair-interleaved ([out / kPanel, in / 2, kPanel, 2]: rows k and k + 1 of a
+// column side by side) and each instruction adds x[k] * w[k] + x[k + 1] * w[k + 1] for 16
+// columns into float32 sums: the bf16 rows of x are read as they are (pairs broadcast), with no
+// widening of x or of the weights, and twice the multiply-adds per instruction of the float32
+// FMAs (prefill is compute-bound: that is where it pays most). Elsewhere (or with
+// TANDEM_CPU_BF16_DOT=0) the panels are plain bf16 ([out / kPanel, in, kPanel]) widened to
+// float32 in registers, and the rows of x are widened once per call. Either way the sums are
+// float32 and each output is rounded to bf16 once, as the reference's GEMM does.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 namespace tandem {
 namespace {
@@ -72,27 +79,86 @@ void panel_tile(const float* x, int64_t ldx, const T* panel, const T* bias, T* c
     for (int64_t v = 0; v < kVecs; ++v) store_vec(c + r * ldc + v * kLanes, acc[r][v]);
 }
 
-template <class T>
-using TileFn = void (*)(const float*, int64_t, const T*, const T*, T*, int64_t, int64_t,
+// The pair-interleaved bf16 form of panel_tile: c[r][0..kPanel) = bias + sum_k x[r][k] *
+// panel[k][0..kPanel) for rows r < kRows over a panel [depth / 2, kPanel, 2], with `vdpbf16ps`
+// (each product of two bf16 values is exact in float32; the two of a pair are added into the
+// float32 sum). Compiled for these instructions whatever the build's -march, and called only
+// where bf16_dot_supported().
+template <int kRows, int kFetch>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,prefer-vector-width=512")))
+void panel_tile_dot(const Bf16* x, int64_t ldx, const Bf16* panel, const Bf16* bias, Bf16* c,
+                    int64_t ldc, int64_t depth, const char* prefetch) {
+  __m512 acc[kRows][kVecs];
+#pragma GCC unroll 8
+  for (int64_t v = 0; v < kVecs; ++v) {
+    const __m512 start = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                    _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                        reinterpret_cast<const __m256i*>(bias + v * kLanes))),
+                                    16))
+                              : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) acc[r][v] = start;
+  }
+  for (int64_t k = 0; k < depth / 2; ++k) {
+    const Bf16* w = panel + k * 2 * kPanel;
+    __m512bh wk[kVecs];
+#pragma GCC unroll 8
+    for (int64_t v = 0; v < kVecs; ++v)
+      wk[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + v * 2 * kLanes));
+#pragma GCC unroll 4
+    for (int l = 0; l < kFetch; ++l) __builtin_prefetch(prefetch + (k * kFetch + l) * kLine);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      int32_t pair;  // x[r][2k] in the low half, x[r][2k + 1] in the high half
+      std::memcpy(&pair, x + r * ldx + 2 * k, sizeof(pair));
+      const __m512bh xs = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+#pragma GCC unroll 8
+      for (int64_t v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xs, wk[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 8
+    for (int64_t v = 0; v < kVecs; ++v)
+      store_vec(c + r * ldc + v * kLanes, reinterpret_cast<const Vec&>(acc[r][v]));
+}
+
+// A tile kernel: X is the element type of x's rows as the tile reads them, W the panels'.
+template <class X, class W>
+using TileFn = void (*)(const X*, int64_t, const W*, const W*, W*, int64_t, int64_t,
                         const char*);
 template <class T, int kFetch, int... kRows>
-constexpr std::array<TileFn<T>, sizeof...(kRows)> make_tiles(
+constexpr std::array<TileFn<float, T>, sizeof...(kRows)> make_tiles(
     std::integer_sequence<int, kRows...>) {
   return {panel_tile<T, kRows + 1, kFetch>...};
 }
+template <int kFetch, int... kRows>
+constexpr std::array<TileFn<Bf16, Bf16>, sizeof...(kRows)> make_dot_tiles(
+    std::integer_sequence<int, kRows...>) {
+  return {panel_tile_dot<kRows + 1, kFetch>...};
+}
 // kTiles<T>[f][n - 1]: the tile of n rows that prefetches kFetch = 0, 1, 2, 4 (f = 0..3) lines
-// of the next panel per panel row.
+// of the next panel per step along the depth (a panel row; a pair of them in kDotTiles).
 template <class T>
-constexpr std::array<std::array<TileFn<T>, kRowTile>, 4> kTiles = {
+constexpr std::array<std::array<TileFn<float, T>, kRowTile>, 4> kTiles = {
     make_tiles<T, 0>(std::make_integer_sequence<int, kRowTile>{}),
     make_tiles<T, 1>(std::make_integer_sequence<int, kRowTile>{}),
     make_tiles<T, 2>(std::make_integer_sequence<int, kRowTile>{}),
     make_tiles<T, 4>(std::make_integer_sequence<int, kRowTile>{})};
+constexpr std::array<std::array<TileFn<Bf16, Bf16>, kRowTile>, 4> kDotTiles = {
+    make_dot_tiles<0>(std::make_integer_sequence<int, kRowTile>{}),
+    make_dot_tiles<1>(std::make_integer_sequence<int, kRowTile>{}),
+    make_dot_tiles<2>(std::make_integer_sequence<int, kRowTile>{}),
+    make_dot_tiles<4>(std::make_integer_sequence<int, kRowTile>{})};
 
-template <class T>
-void run_panels(const float* xp, int64_t ldx, const T* wp, const T* bp, T* op, int64_t rows,
-                int64_t depth, int64_t panels) {
-  constexpr int64_t lines_per_row = kLinesPerRow<T>;
+// The rows of x times every panel: `tiles` are kTiles<T> (x widened to float32, a step along
+// the depth is one panel row of kLinesPerRow<T> lines) or kDotTiles (x in bf16, a step is a
+// pair of rows: 4 lines).
+template <class X, class T>
+void run_panels(const std::array<std::array<TileFn<X, T>, kRowTile>, 4>& tiles,
+                int64_t lines_per_step, const X* xp, int64_t ldx, const T* wp, const T* bp,
+                T* op, int64_t rows, int64_t depth, int64_t panels) {
+  const int64_t steps = depth * kLinesPerRow<T> / lines_per_step;  // along the depth
   const int64_t width = panels * kPanel;
   // Row ranges of equal size (whole tiles), at most kRowsPerTask rows each: the threads split
   // the tasks evenly, so unequal ranges would leave one thread waiting for the other.
@@ -105,23 +171,23 @@ void run_panels(const float* xp, int64_t ldx, const T* wp, const T* bp, T* op, i
       const int64_t p = task % panels;
       const int64_t first = (task / panels) * range;
       const int64_t last = std::min(rows, first + range);
-      // While this panel's row tiles run, the first of them (up to lines_per_row) ask for the
+      // While this panel's row tiles run, the first of them (up to lines_per_step) ask for the
       // thread's next panel, a share of its cache lines each, so that it arrives from memory
       // during the arithmetic instead of after it.
-      const int64_t tiles = (last - first + kRowTile - 1) / kRowTile;
-      const int64_t sharing = std::min(tiles, lines_per_row);
-      const int lines = static_cast<int>((lines_per_row + sharing - 1) / sharing);  // 4, 2, 1
+      const int64_t tiles_n = (last - first + kRowTile - 1) / kRowTile;
+      const int64_t sharing = std::min(tiles_n, lines_per_step);
+      const int lines = static_cast<int>((lines_per_step + sharing - 1) / sharing);  // 4, 2, 1
       const char* next =
           task + 1 < end
               ? reinterpret_cast<const char*>(wp + ((task + 1) % panels) * depth * kPanel)
               : nullptr;
       for (int64_t r = first, i = 0; r < last; r += kRowTile, ++i) {
         const int n = static_cast<int>(std::min<int64_t>(kRowTile, last - r));
-        const bool fetch = next != nullptr && i * lines < lines_per_row;
+        const bool fetch = next != nullptr && i * lines < lines_per_step;
         const int f = fetch ? (lines == 4 ? 3 : lines) : 0;
-        kTiles<T>[f][n - 1](xp + r * ldx, ldx, wp + p * depth * kPanel,
-                            bp ? bp + p * kPanel : nullptr, op + r * width + p * kPanel, width,
-                            depth, fetch ? next + i * depth * lines * kLine : nullptr);
+        tiles[f][n - 1](xp + r * ldx, ldx, wp + p * depth * kPanel,
+                        bp ? bp + p * kPanel : nullptr, op + r * width + p * kPanel, width,
+                        depth, fetch ? next + i * steps * lines * kLine : nullptr);
       }
     }
   });
@@ -129,14 +195,30 @@ void run_panels(const float* xp, int64_t ldx, const T* wp, const T* bp, T* op, i
 
 }  // namespace
 
-torch::Tensor pack_linear_weight(torch::Tensor weight) {
+bool bf16_dot_supported() {
+  // cpuid, once: the tiles above run only where the CPU executes them.
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  }();
+  return supported;
+}
+
+torch::Tensor pack_linear_weight(torch::Tensor weight, bool pairs) {
   TORCH_CHECK((weight.scalar_type() == torch::kFloat || weight.scalar_type() == torch::kBFloat16) &&
                   weight.dim() == 2,
               "pack_linear_weight: float32 or bfloat16 [in, out] only");
   const int64_t depth = weight.size(0), width = weight.size(1);
   TORCH_CHECK(width % kPanel == 0, "pack_linear_weight: out_features must divide by ", kPanel);
-  // [in, out] -> [out / kPanel, in, kPanel]
-  return weight.reshape({depth, width / kPanel, kPanel}).permute({1, 0, 2}).contiguous();
+  if (!pairs)  // [in, out] -> [out / kPanel, in, kPanel]
+    return weight.reshape({depth, width / kPanel, kPanel}).permute({1, 0, 2}).contiguous();
+  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && depth % 2 == 0,
+              "pack_linear_weight: pairs take a bfloat16 weight of even in_features");
+  // [in, out] -> [out / kPanel, in / 2, kPanel, 2]
+  return weight.reshape({depth / 2, 2, width / kPanel, kPanel})
+      .permute({2, 0, 3, 1})
+      .contiguous();
 }
 
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed,
@@ -144,24 +226,35 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed,
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(),
               "packed_linear: x and weight must share their dtype");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "packed_linear: x rows must be contiguous");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
+  const bool pairs = packed.dim() == 4;
+  TORCH_CHECK((packed.dim() == 3 || (pairs && packed.size(3) == 2)) &&
+                  packed.size(2) == kPanel && packed.is_contiguous(),
               "packed_linear: weight must come from pack_linear_weight");
   const int64_t rows = x.size(0), depth = x.size(1), panels = packed.size(0);
   const int64_t width = panels * kPanel;
-  TORCH_CHECK(packed.size(1) == depth, "packed_linear: x and weight disagree on in_features");
+  TORCH_CHECK(packed.size(1) * (pairs ? 2 : 1) == depth,
+              "packed_linear: x and weight disagree on in_features");
+  TORCH_CHECK(!pairs || bf16_dot_supported(),
+              "packed_linear: pair-interleaved panels need a CPU with AVX-512 bf16");
   if (bias.has_value())
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == width &&
                     bias->scalar_type() == x.scalar_type(),
                 "packed_linear: bias [out] of x's dtype");
   auto out = torch::empty({rows, width}, x.options());
   if (rows == 0) return out;
+  const Bf16* b16 = bias.has_value() && pairs ? data_of<Bf16>(*bias) : nullptr;
+  if (pairs) {  // bf16 rows read in place
+    run_panels<Bf16, Bf16>(kDotTiles, 4, data_of<Bf16>(x), x.stride(0), data_of<Bf16>(packed),
+                           b16, data_of<Bf16>(out), rows, depth, panels);
+    return out;
+  }
   // bf16 rows widened once (float32 rows are read in place).
   const torch::Tensor xf = x.scalar_type() == torch::kFloat ? x : x.to(torch::kFloat);
   dispatch_float_or_bf16(x.scalar_type(), "packed_linear", [&](auto tag) {
     using T = decltype(tag);
-    run_panels<T>(xf.data_ptr<float>(), xf.stride(0), data_of<T>(packed),
-                  bias.has_value() ? data_of<T>(*bias) : nullptr, data_of<T>(out), rows, depth,
-                  panels);
+    run_panels<float, T>(kTiles<T>, kLinesPerRow<T>, xf.data_ptr<float>(), xf.stride(0),
+                         data_of<T>(packed), bias.has_value() ? data_of<T>(*bias) : nullptr,
+                         data_of<T>(out), rows, depth, panels);
   });
   return out;
 }

@@ -24,9 +24,18 @@ BF16 = torch.bfloat16
 ULP = {"rtol": 2**-6, "atol": 1e-6}
 
 
-@pytest.fixture(scope="module")
-def fused():
-    return layer_ops()
+DOT = load_kernels() is not None and load_kernels().bf16_dot_supported()
+# The linear layers' two bf16 forms: AVX-512 bf16 dot products over pair-interleaved panels
+# (where the CPU has them), and the float32-FMA fallback over plain bf16 panels.
+FORMS = [
+    pytest.param(True, id="dot", marks=pytest.mark.skipif(not DOT, reason="no AVX-512 bf16")),
+    pytest.param(False, id="fma"),
+]
+
+
+@pytest.fixture(scope="module", params=FORMS)
+def fused(request):
+    return layer_ops(bf16_dot=request.param)
 
 
 def randn(*shape, scale=1.0):
@@ -56,11 +65,48 @@ def test_packed_linear(fused, rows, bias):
     w, x = randn(96, 192, scale=0.1), randn(rows, 96)
     b = randn(192) if bias else None
     packed = fused.prepare_linear(w)
-    assert packed.dtype == BF16 and packed.dim() == 3
+    assert packed.dtype == BF16 and packed.dim() > 2
     exact = x.float() @ w.float() + (b.float() if bias else 0)
     got = fused.linear(x, packed, b)
     assert got.dtype == BF16
     torch.testing.assert_close(got, exact.to(BF16), rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.skipif(not DOT, reason="no AVX-512 bf16")
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_packed_forms_agree(rows):
+    """The dot-product form against the fallback on the same inputs: both are float32 sums of
+    exact bf16 products rounded once, so they differ only by summation order (a rounding that
+    lands on the other side of a bf16 midpoint: one bf16 unit, rarely)."""
+    torch.manual_seed(rows)
+    module = load_kernels()
+    w, x, b = randn(576, 192, scale=0.05), randn(rows, 576), randn(192)
+    pairs = module.pack_linear_weight(w, True)
+    assert pairs.shape == (3, 288, 64, 2)
+    assert torch.equal(pairs[1, 5, 7], torch.stack([w[10, 71], w[11, 71]]))
+    got = module.packed_linear(x, pairs, b)
+    fallback = module.packed_linear(x, module.pack_linear_weight(w), b)
+    torch.testing.assert_close(got, fallback, rtol=2**-7, atol=1e-6)
+    assert (got != fallback).float().mean() < 0.01
+
+
+def test_pairs_need_bf16_of_even_depth():
+    module = load_kernels()
+    with pytest.raises(RuntimeError, match="pairs take a bfloat16"):
+        module.pack_linear_weight(torch.randn(64, 64), True)
+    with pytest.raises(RuntimeError, match="pairs take a bfloat16"):
+        module.pack_linear_weight(randn(63, 64), True)
+
+
+def test_the_dot_form_is_chosen_by_cpu_and_environment(monkeypatch):
+    """TANDEM_CPU_BF16_DOT=0 forces the fallback; otherwise the CPU's flags decide."""
+    module = load_kernels()
+    w = randn(64, 128)
+    assert layer_ops().prepare_linear(w).dim() == (4 if DOT else 3)
+    assert layer_ops().prepare_linear(w.float()).dim() == 3  # float32: never pairs
+    monkeypatch.setenv("TANDEM_CPU_BF16_DOT", "0")
+    assert layer_ops().prepare_linear(w).dim() == 3
+    assert module.bf16_dot_supported() == DOT
 
 
 def test_logits_are_float32(fused):
