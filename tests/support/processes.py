@@ -21,10 +21,19 @@ def model_dir() -> str:
     return os.environ.get("TANDEM_MODEL_DIR", DEFAULT_MODEL_DIR)
 
 
+_HANDED_OUT: set[int] = set()  # ports free_port gave this process (their owners may not bind yet)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, never one this process was given before: a port handed out for a child
+    that has not bound it yet is free to the kernel, which may hand it out again."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @dataclass
