@@ -14,32 +14,17 @@ import time
 import httpx
 
 from tests.e2e.adversarial.isolation_support import SIM_SPEED, complete, greedy
+from tests.e2e.lb_support import CONTROLLER_ARGS as SPLIT
+from tests.e2e.lb_support import LEASE, PROBE, owned
 from tests.support.processes import (
-    FAST_HEALTH,
     free_port,
     spawn_controller,
     spawn_executor,
     wait_until,
 )
 
-LEASE = 3.0  # the controllers' lease on each executor, renewed every second
-PROBE = 0.5  # seconds between peer probes: a peer is judged gone 1.5 s after its last answer
-SPLIT = [
-    *FAST_HEALTH,
-    "--executor-lease-seconds",
-    str(LEASE),
-    "--peer-probe-interval",
-    str(PROBE),
-    "--handover-drain-timeout",
-    "10",
-]
 TOKENS = 160  # per request under load: long enough that hand-overs find requests running
 SLACK = 10.0  # handshakes and a loaded 2-core machine's scheduling
-
-
-def owned(server) -> set[str]:
-    """The executors a controller drives now (healthy, under its lease)."""
-    return {e["address"] for e in server.executors_state() if e["healthy"] and e["owned"]}
 
 
 def split_of(servers, least: int = 0, total: int = 4) -> list[set[str]] | None:

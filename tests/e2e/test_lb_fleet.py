@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -39,7 +38,7 @@ from tests.e2e.lb_support import (
 )
 from tests.e2e.test_serve_command import group_members
 from tests.support.balancer import LiveBalancer, require_haproxy
-from tests.support.processes import ROOT, free_port, spawn_executor, wait_until
+from tests.support.processes import free_port, spawn_executor, spawn_serve, wait_until
 
 PROMPTS = [
     "The capital of France is",
@@ -257,15 +256,7 @@ def test_serve_starts_two_controllers_behind_haproxy(default_model_dir, tmp_path
     argv = ["--executor", "sim", "--controllers", "2", "--port", str(port)]
     argv += ["--controller-port", str(controllers), "--executor-port", str(free_port())]
     argv += ["--run-dir", str(run_dir), "--model", default_model_dir]
-    with open(tmp_path / "serve.log", "w") as log:
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "tandem", "serve", *argv],
-            cwd=ROOT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own group: its children are found by it
-        )
+    serve = spawn_serve(argv, str(tmp_path / "serve.log"))
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: httpx.get(base + "/health", timeout=2).status_code == 200, 120, "serve")

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 
-from tests.support.processes import DEFAULT_MODEL_DIR, ROOT, free_port, wait_until
+from tests.support.processes import DEFAULT_MODEL_DIR, free_port, spawn_serve, wait_until
 
 
 def group_members(pgid: int) -> list[int]:
@@ -40,15 +38,7 @@ def test_serve_answers_a_chat_and_stops_on_sigterm(default_model_dir, tmp_path):
     if os.path.realpath(default_model_dir) != os.path.realpath(DEFAULT_MODEL_DIR):
         argv += ["--model", default_model_dir]  # else: serve's own default, unnamed
     log_path = tmp_path / "serve.log"
-    with open(log_path, "w") as log:
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "tandem", "serve", *argv],
-            cwd=ROOT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own group: the children are found by it
-        )
+    serve = spawn_serve(argv, str(log_path))
     base = f"http://127.0.0.1:{port}"
 
     def state() -> str:

@@ -370,3 +370,17 @@ FAST_HEALTH = [
     "--reconnect-backoff-max",
     "1.0",
 ]
+
+
+def spawn_serve(argv: list[str], log_path: str) -> subprocess.Popen:
+    """`python -m tandem serve ARGV` from the repository root, output to `log_path`, in a
+    process group of its own (its children are found by it)."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tandem", "serve", *argv],
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
