@@ -33,7 +33,7 @@ from controller.fleet.client import make_security
 from controller.fleet.discovery import Discovery
 from controller.fleet.fleet_model import FleetModel
 from controller.fleet.incarnations import Incarnations
-from controller.fleet.maintenance import FAILOVER_SETTLE, Maintenance
+from controller.fleet.maintenance import Maintenance
 from controller.fleet.membership import Membership
 from controller.fleet.ownership import new_owner_id
 from controller.fleet.peers import Peers
@@ -355,39 +355,6 @@ class Engine(Maintenance, Membership):
             tracked.gen.request_id,
             self.fleet_summary(),
             extra=tracked.log_extra,
-        )
-
-    def relocate(self, moved: list[Tracked], source: str) -> None:
-        """Place requests taken from the lost executor at `source` elsewhere; they resume by
-        recompute."""
-        now = time.perf_counter()
-        limit = self.config.max_request_moves
-        for tracked in moved:
-            tracked.num_failovers += 1
-            if tracked.num_failovers > limit:  # it may be what takes executors down
-                self._fail_alone(
-                    tracked,
-                    f"the request's executor was lost {tracked.num_failovers} times while it "
-                    f"ran; it is not moved more than {limit} times",
-                )
-                continue
-            tracked.num_moves += 1
-            tracked.prompt_logprobs_skip = tracked.prompt_logprobs_sent
-            tracked.lost_at = tracked.lost_at or now
-            # Held for FAILOVER_SETTLE before it is placed: executors that die together (one
-            # process or host) are found lost one by one, and a request placed at once could
-            # land on a sibling whose loss is not seen yet and count a loss it did not cause.
-            tracked.waiting_since = time.monotonic()
-            tracked.hold_until = tracked.waiting_since + FAILOVER_SETTLE
-            self.waiting[tracked.gen.request_id] = tracked
-        if moved:
-            asyncio.get_running_loop().call_later(FAILOVER_SETTLE, self._kick.set)
-        log.info(
-            "failover from %s: %d requests to move in %.2fs, %d waiting for an executor",
-            source,
-            len(moved),
-            FAILOVER_SETTLE,
-            len(self.waiting),
         )
 
     def _fail_waiting(self, tracked: Tracked) -> None:

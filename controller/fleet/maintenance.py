@@ -1,5 +1,7 @@
-"""The engine's maintenance pass: requests waiting for an executor, and the affinity bound.
+"""The engine's maintenance pass: requests waiting for an executor (those moved off a lost
+executor among them), and the affinity bound.
 
+A request moved off a lost executor waits `FAILOVER_SETTLE` before it is placed (`relocate`).
 Every `MAINTAIN_PERIOD` seconds, and at once when a session becomes ready, the pass places the
 requests waiting for a healthy executor (failing those past `no_executor_timeout`), moves every
 request a draining executor has not admitted elsewhere, and moves requests an executor has held
@@ -35,10 +37,10 @@ class Maintenance:
     """The maintenance loop of the engine (`Engine` inherits it). It works on the engine's
     attributes declared here, and places requests through the engine's methods below."""
 
-    config: ControllerConfig  # no_executor_timeout, affinity_max_wait
+    config: ControllerConfig  # no_executor_timeout, affinity_max_wait, max_request_moves
     metrics: EngineMetrics  # counts the rebalanced requests
     sessions: dict[str, ExecutorSession]  # the fleet, by address
-    waiting: dict[str, Tracked]  # requests waiting for a healthy executor
+    waiting: dict[str, Tracked]  # requests waiting for a healthy executor (or settling)
     _kick: asyncio.Event  # set to run a pass at once
 
     def _place_or_fail(
@@ -54,6 +56,43 @@ class Maintenance:
     def _fail_waiting(self, tracked: Tracked) -> None:
         """A waiting request found no healthy executor in time: fail it (503)."""
         raise NotImplementedError
+
+    def _fail_alone(self, tracked: Tracked, error: str) -> None:
+        """End a request on no executor with an error to its client (500)."""
+        raise NotImplementedError
+
+    def relocate(self, moved: list[Tracked], source: str) -> None:
+        """Place requests taken from the lost executor at `source` elsewhere; they resume by
+        recompute."""
+        now = time.perf_counter()
+        limit = self.config.max_request_moves
+        for tracked in moved:
+            tracked.num_failovers += 1
+            if tracked.num_failovers > limit:  # it may be what takes executors down
+                self._fail_alone(
+                    tracked,
+                    f"the request's executor was lost {tracked.num_failovers} times while it "
+                    f"ran; it is not moved more than {limit} times",
+                )
+                continue
+            tracked.num_moves += 1
+            tracked.prompt_logprobs_skip = tracked.prompt_logprobs_sent
+            tracked.lost_at = tracked.lost_at or now
+            # Held for FAILOVER_SETTLE before it is placed: executors that die together (one
+            # process or host) are found lost one by one, and a request placed at once could
+            # land on a sibling whose loss is not seen yet and count a loss it did not cause.
+            tracked.waiting_since = time.monotonic()
+            tracked.hold_until = tracked.waiting_since + FAILOVER_SETTLE
+            self.waiting[tracked.gen.request_id] = tracked
+        if moved:
+            asyncio.get_running_loop().call_later(FAILOVER_SETTLE, self._kick.set)
+        log.info(
+            "failover from %s: %d requests to move in %.2fs, %d waiting for an executor",
+            source,
+            len(moved),
+            FAILOVER_SETTLE,
+            len(self.waiting),
+        )
 
     async def _maintain(self) -> None:
         while True:
