@@ -12,15 +12,14 @@ Each stage is bounded before the next one allocates:
    the event loop (or found in the cache); a refused one is a 400;
 3. admission (admission.py): the request takes its share of the queue bounds, 429 beyond them,
    and keeps it while it waits for an executor;
-4. waiting for a healthy executor: at most --no-executor-timeout (then 503); a shutdown or the
-   client leaving ends it;
+4. waiting for a healthy executor (waiting.py): at most --no-executor-timeout (then 503); a
+   shutdown or the client leaving ends it;
 5. the context limits and one GenerationRequest per sequence (building.py);
 6. the response, streamed or whole (streaming.py), bounded by the stall timeout.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -42,11 +41,11 @@ from controller.api.streaming import (
     GuardedJSONResponse,
     TicketedStream,
     client_closed,
-    client_gone,
     collect,
     sse_events,
 )
 from controller.api.tool_output import tool_policy
+from controller.api.waiting import wait_for_executor
 from controller.fleet.engine import Engine
 from controller.text.grammar import GrammarCompiler
 from controller.text.text_bound import chars_per_token_bound, text_limit
@@ -229,33 +228,6 @@ class OpenAIServing:
         )
         return ticket
 
-    async def _wait_for_executor(self, queue: DeltaQueue, http: HTTPRequest) -> bool:
-        """Hold an admitted request until some executor is healthy: False when its client
-        left first; 503 after the fleet's timeout, or when the controller shuts down."""
-        if self.engine.healthy:
-            return True
-        waits = {
-            "executor": asyncio.ensure_future(self.engine.wait_for_executor()),
-            "gone": asyncio.ensure_future(client_gone(http)),
-            "abort": asyncio.ensure_future(queue.wait_aborted()),
-        }
-        try:
-            await asyncio.wait(waits.values(), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in waits.values():
-                task.cancel()
-            await asyncio.gather(*waits.values(), return_exceptions=True)
-        found = waits["executor"]
-        if found.done() and not found.cancelled() and found.result():
-            return True
-        if waits["abort"].done() and not waits["abort"].cancelled():
-            raise APIError(
-                "The server is shutting down; retry on another replica.", 503, code="shutting_down"
-            )
-        if waits["gone"].done() and not waits["gone"].cancelled():
-            return False
-        raise APIError(self.engine.no_executor_message(), 503, code="no_healthy_executor")
-
     async def _serve(
         self,
         req: _SamplingFields,
@@ -271,7 +243,7 @@ class OpenAIServing:
         queue = DeltaQueue()
         ticket.attach(queue)
         try:
-            if not await self._wait_for_executor(queue, http):
+            if not await wait_for_executor(self.engine, queue, http):
                 ticket.close()
                 return client_closed()
             capacity = self._capacity()
