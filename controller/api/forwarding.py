@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from controller.api.request_ids import HEADER as REQUEST_ID_HEADER
 from controller.api.request_ids import request_ids
-from controller.api.streaming import ClientStalled, guarded
+from controller.api.stall import StallBoundedStream
 from controller.fleet.affinity import home_of, routing_key
 from controller.fleet.peers import Peers
 from controller.settings import ControllerConfig
@@ -171,9 +171,11 @@ class Forwarder:
             await self._client.aclose()
 
 
-class ProxiedResponse(StreamingResponse):
+class ProxiedResponse(StallBoundedStream):
     """The home's response, passed back byte for byte; every write bounded by the stall
     timeout like a local response's, and the home's connection closed however it ends."""
+
+    kind = "forwarded"
 
     def __init__(self, upstream: httpx.Response, stall_timeout: float, on_done):
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
@@ -182,20 +184,10 @@ class ProxiedResponse(StreamingResponse):
         self.stall_timeout = stall_timeout  # seconds one write may wait for the client
         self.on_done = on_done  # called once when the response is over
 
-    async def stream_response(self, send) -> None:
-        await super().stream_response(guarded(send, self.stall_timeout))
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        except ClientStalled as stalled:
-            log.warning("%s: the forwarded response is aborted", stalled)
-        finally:
-            with contextlib.suppress(Exception):
-                await self.body_iterator.aclose()
-            with contextlib.suppress(Exception):
-                await self.upstream.aclose()  # the home sees its client leave and aborts
-            self.on_done()
+    async def finished(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.upstream.aclose()  # the home sees its client leave and aborts
+        self.on_done()
 
 
 async def _body(upstream: httpx.Response) -> AsyncIterator[bytes]:

@@ -8,7 +8,13 @@ half-open connection) makes a write wait; past the timeout the response is abort
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import Callable
+
+from fastapi.responses import StreamingResponse
+
+log = logging.getLogger(__name__)
 
 
 class ClientStalled(Exception):
@@ -84,3 +90,34 @@ def close_guard(send: Callable) -> None:
     """Stop a guarded send's watchdog (nothing for an unguarded one)."""
     if isinstance(send, StallGuard):
         send.close()
+
+
+class StallBoundedStream(StreamingResponse):
+    """A streamed response whose every write waits at most `stall_timeout` seconds for the
+    client (one StallGuard, stopped when the response is over); a stalled one is aborted, and
+    its body iterator is closed however it ends (what it holds goes back now, not when it is
+    collected). Subclasses set `stall_timeout` and say what else ends with it (`finished`)."""
+
+    stall_timeout: float  # seconds one write may wait for the client
+    kind = "streamed"  # the response's kind, in the stall's log line
+
+    async def stream_response(self, send) -> None:
+        guard = guarded(send, self.stall_timeout)
+        try:
+            await super().stream_response(guard)
+        finally:
+            close_guard(guard)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except ClientStalled as stalled:
+            # uvicorn closes the connection of a response that did not complete.
+            log.warning("%s: the %s response is aborted", stalled, self.kind)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+            await self.finished()
+
+    async def finished(self) -> None:
+        """What the response releases once it is over, however it ended."""

@@ -17,14 +17,14 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from controller.api.admission import ABORT, Ticket
 from controller.api.deltas import DeltaQueue
 from controller.api.direct_write import direct_write_of
 from controller.api.errors import APIError, error_body
 from controller.api.formats import Choice
-from controller.api.stall import ClientStalled, close_guard, guarded
+from controller.api.stall import ClientStalled, StallBoundedStream, close_guard, guarded
 from controller.core.outputs import GenerationRequest, OutputDelta
 from controller.fleet.engine import Engine, NoExecutorError
 
@@ -170,7 +170,7 @@ def sse_events(
     return events()
 
 
-class TicketedStream(StreamingResponse):
+class TicketedStream(StallBoundedStream):
     """A streamed response that releases its admission ticket however it ends (even when the
     client leaves before the body starts), and aborts when its client stalls."""
 
@@ -182,27 +182,14 @@ class TicketedStream(StreamingResponse):
         self.stall_timeout = stall_timeout  # seconds one write may wait for the client
         self.queue = queue  # its sequences' channel: told the connection for direct writes
 
-    async def stream_response(self, send) -> None:
-        guard = guarded(send, self.stall_timeout)
-        try:
-            await super().stream_response(guard)
-        finally:
-            close_guard(guard)
-
     async def __call__(self, scope, receive, send) -> None:
         if self.queue is not None:
             self.queue.connection = direct_write_of(scope)
-        try:
-            await super().__call__(scope, receive, send)
-        except ClientStalled as stalled:
-            # uvicorn closes the connection of a response that did not complete.
-            log.warning("%s: the streamed response is aborted", stalled)
-        finally:
-            # End the sequences now (their KV blocks go back), not when the generator is
-            # collected.
-            with contextlib.suppress(Exception):
-                await self.body_iterator.aclose()
-            self.ticket.close()
+        # Closing the body ends the sequences now: their KV blocks go back.
+        await super().__call__(scope, receive, send)
+
+    async def finished(self) -> None:
+        self.ticket.close()
 
 
 class GuardedJSONResponse(JSONResponse):

@@ -59,3 +59,56 @@ def test_no_timeout_is_the_plain_send():
         pass
 
     assert guarded(send, 0) is send
+
+
+def _watchdogs(loop) -> list:
+    """The StallGuard timers still scheduled on `loop`."""
+    return [
+        h
+        for h in loop._scheduled  # asyncio's timer heap: what a leaked watchdog would stay in
+        if not h.cancelled() and getattr(h._callback, "__func__", None) is StallGuard._check
+    ]
+
+
+@pytest.mark.parametrize("kind", ["local", "forwarded"])
+def test_a_streamed_response_stops_its_watchdog_however_it_ends(kind):
+    """Both streamed responses (a local one and one passed back from a home controller) stop
+    their watchdog when they end: a leaked one would fire every timeout for ever."""
+    from controller.api.admission import Admission, AdmissionLimits
+    from controller.api.forwarding import ProxiedResponse
+    from controller.api.streaming import TicketedStream
+
+    async def body():
+        yield b"data: 1\n\n"
+
+    class Upstream:  # what ProxiedResponse reads of the home's httpx response
+        headers = {"content-type": "text/event-stream"}
+        status_code = 200
+
+        async def aiter_raw(self):
+            yield b"data: 1\n\n"
+
+        async def aclose(self):
+            pass
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        if kind == "local":
+            ticket = Admission(AdmissionLimits()).admit([4])
+            response = TicketedStream(ticket, 30.0, None, body())
+        else:
+            response = ProxiedResponse(Upstream(), 30.0, lambda: None)
+        sent = []
+
+        async def send(message):
+            sent.append(message["type"])
+
+        async def receive():
+            await asyncio.sleep(60)
+            return {"type": "http.disconnect"}
+
+        await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        assert sent[0] == "http.response.start" and sent[-1] == "http.response.body"
+        assert _watchdogs(loop) == []
+
+    asyncio.run(main())
