@@ -262,9 +262,6 @@ class Engine(Maintenance, Membership):
 
     def abort(self, tracked: Tracked) -> None:
         """End a request its reader gave up on (its blocks go back); nothing if it is over."""
-        self._abort(tracked)
-
-    def _abort(self, tracked: Tracked) -> None:
         session = self.sessions.get(tracked.placed_on) if tracked.placed_on else None
         if session is not None:
             session.abort(tracked)
