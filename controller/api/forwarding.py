@@ -32,7 +32,7 @@ from controller.api.request_ids import HEADER as REQUEST_ID_HEADER
 from controller.api.request_ids import request_ids
 from controller.api.stall import StallBoundedStream
 from controller.fleet.affinity import home_of, routing_key
-from controller.fleet.peers import Peers
+from controller.fleet.peers import Peers, unverified_tls
 from controller.settings import ControllerConfig
 
 log = logging.getLogger(__name__)
@@ -157,11 +157,8 @@ class Forwarder:
             # No read timeout: a long generation's next token may take long; the home bounds
             # its own requests, and the client's stall bounds our writes (ProxiedResponse).
             timeout = httpx.Timeout(None, connect=self.connect_timeout, write=self.connect_timeout)
-            verify: ssl.SSLContext | bool = True
-            if self.scheme == "https":  # peers are probed the same way (peers.py)
-                verify = ssl.create_default_context()
-                verify.check_hostname = False
-                verify.verify_mode = ssl.CERT_NONE
+            # HTTPS peers as they are probed (peers.py).
+            verify: ssl.SSLContext | bool = unverified_tls() if self.scheme == "https" else True
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
             self._client = httpx.AsyncClient(timeout=timeout, verify=verify, limits=limits)
         return self._client

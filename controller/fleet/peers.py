@@ -51,7 +51,7 @@ class Peers:
         self.addresses: set[str] = set()  # probe addresses now listed
         self.live: list[str] = [self.self_key]  # live controllers' keys, at the last round
         self.on_change = on_change  # called when `live` changes
-        self._tls = _unverified_tls() if config.ssl_certfile else None  # HTTPS peers
+        self._tls = unverified_tls() if config.ssl_certfile else None  # HTTPS peers
         self._resolve_every = config.discovery_interval  # seconds between re-resolutions
         self._task: asyncio.Task | None = None  # the probe loop
 
@@ -125,9 +125,9 @@ class Peers:
         self.table.answered(address, key, owner, time.monotonic(), load)
 
 
-def _unverified_tls() -> ssl.SSLContext:
-    """TLS for probing peers that serve HTTPS; their certificates are not checked (an
-    answer is a liveness hint, module docstring)."""
+def unverified_tls() -> ssl.SSLContext:
+    """TLS to peers that serve HTTPS, for their probes and forwarded requests; their
+    certificates are not checked (an answer is a liveness hint, module docstring)."""
     context = ssl.create_default_context()
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
