@@ -193,7 +193,8 @@ def paged_prefill_attention(
         element_size = kv_cache.element_size()
     else:
         assert key is not None and value is not None
-        assert key.stride() == value.stride() and key.stride(2) == 1
+        if key.stride() != value.stride() or key.stride(2) != 1:  # (one offset serves both)
+            key, value = key.contiguous(), value.contiguous()
         k_src, v_src = key, value
         kv_heads = key.shape[1]
         strides = (0, key.stride(0), key.stride(1))
