@@ -11,6 +11,7 @@ device's dense bf16 peak (``bf16_peak``). Used by benchmarks/gpu_step.py.
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import torch
@@ -201,4 +202,55 @@ def _reference(q, kv, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         seen = visible_keys(pos[None, :], pos[seq_len - n :, None], 0)
         scores = scores.masked_fill(~seen, float("-inf"))
         out[qsl[r] : qsl[r + 1]] = (scores.softmax(-1) @ values).transpose(0, 1)
+    return out
+
+
+def prefill_backends(runner) -> dict[str, str]:
+    """The attention backends compared on prefill: on CUDA the Triton decodes with torch
+    prefills ("old") and with the prefill kernel ("new"); on the CPU the runner's own ("old")
+    and, under Triton's interpreter, the Triton backend ("new")."""
+    from executor_gpu.cuda import triton_attention
+
+    if runner.device.type == "cuda":
+        if runner.attention_backend != triton_attention.BACKEND_NAME:
+            return {"old": runner.attention_backend}
+        return {
+            "old": triton_attention.TORCH_PREFILL_BACKEND_NAME,
+            "new": triton_attention.BACKEND_NAME,
+        }
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return {"old": runner.attention_backend}
+    triton_attention.register()
+    return {"old": runner.attention_backend, "new": triton_attention.BACKEND_NAME}
+
+
+def print_prefill(report: dict) -> None:
+    """One line per prefill case and variant."""
+    for key in ("prefill_attention", "prefill_forward"):
+        for r in report.get(key) if isinstance(report.get(key), list) else []:
+            for variant in ("old", "new"):
+                if variant in r:
+                    v = r[variant]
+                    peak = f"{v['of_peak']:.3f}" if v["of_peak"] is not None else "-"
+                    print(
+                        f"{key} {r['case']:>40} {variant}: {v['ms']:8.3f} ms "
+                        f"{v['TFLOPS']:8.2f} TFLOPS, {peak} of bf16 peak"
+                    )
+
+
+def summary(report: dict) -> dict:
+    """The issue's figures: prefill's fraction of the bf16 peak per case (old path, new) and the
+    largest batch's replayed decode step over its bytes at the copy rate."""
+    out: dict = {}
+    for key in ("prefill_attention", "prefill_forward"):
+        for r in report.get(key) if isinstance(report.get(key), list) else []:
+            for variant in ("old", "new"):
+                if variant in r:
+                    out[f"{key}/{r['case']}/{variant}_of_peak"] = r[variant]["of_peak"]
+                    out[f"{key}/{r['case']}/{variant}_ms"] = r[variant]["ms"]
+            out[f"{key}/{r['case']}/speedup"] = r.get("speedup")
+    rows = [r for r in report.get("forward", []) if r["variant"] == "graph"]
+    if rows:
+        top = max(rows, key=lambda r: (r["batch"], -r["context"]))
+        out[f"decode_b{top['batch']}_ctx{top['context']}_over_copy"] = top["over_copy"]
     return out

@@ -52,6 +52,9 @@ from benchmarks.gpu_prefill import (  # noqa: E402
     CASES,
     SMOKE_CASES,
     check_prefill_kernel,
+    prefill_backends,
+    print_prefill,
+    summary,
     time_attention,
     time_prefill_forward,
 )
@@ -312,25 +315,6 @@ def profile_executor_step(runner: GPUModelRunner, batch: int, context: int) -> l
     return sorted(rows, key=lambda r: -r["tottime_ms_per_step"])[:25]
 
 
-def prefill_backends(runner: GPUModelRunner) -> dict[str, str]:
-    """The attention backends compared on prefill: on CUDA the Triton decodes with torch
-    prefills ("old") and with the prefill kernel ("new"); on the CPU the runner's own ("old")
-    and, under Triton's interpreter, the Triton backend ("new")."""
-    from executor_gpu.cuda import triton_attention
-
-    if runner.device.type == "cuda":
-        if runner.attention_backend != triton_attention.BACKEND_NAME:
-            return {"old": runner.attention_backend}
-        return {
-            "old": triton_attention.TORCH_PREFILL_BACKEND_NAME,
-            "new": triton_attention.BACKEND_NAME,
-        }
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return {"old": runner.attention_backend}
-    triton_attention.register()
-    return {"old": runner.attention_backend, "new": triton_attention.BACKEND_NAME}
-
-
 def section(report: dict, key: str, fn) -> None:
     """report[key] = fn(), or the error it raised (one failing check does not end the run)."""
     started = time.perf_counter()
@@ -350,20 +334,6 @@ def prefill_rows(report: dict, runner: GPUModelRunner, smoke: bool, sharded: boo
     section(report, "prefill_attention", lambda: time_attention(runner.device, backends, cases))
     if not sharded:  # (the ranks run the backend they loaded with)
         section(report, "prefill_forward", lambda: time_prefill_forward(runner, backends, cases))
-
-
-def print_prefill(report: dict) -> None:
-    """One line per prefill case and variant."""
-    for key in ("prefill_attention", "prefill_forward"):
-        for r in report.get(key) if isinstance(report.get(key), list) else []:
-            for variant in ("old", "new"):
-                if variant in r:
-                    v = r[variant]
-                    peak = f"{v['of_peak']:.3f}" if v["of_peak"] is not None else "-"
-                    print(
-                        f"{key} {r['case']:>40} {variant}: {v['ms']:8.3f} ms "
-                        f"{v['TFLOPS']:8.2f} TFLOPS, {peak} of bf16 peak"
-                    )
 
 
 def main(argv=None) -> None:
@@ -389,7 +359,7 @@ def main(argv=None) -> None:
         default=1,
         help="shard the Llama-3-8B-shaped model over N devices (follower ranks; no graphs)",
     )
-    p.add_argument("--json", default="")
+    p.add_argument("--json", default="", help="write the report here; - prints it last")
     a = p.parse_args(argv)
     smoke = a.smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda", None if smoke else 0)
@@ -503,7 +473,8 @@ def main(argv=None) -> None:
     if not smoke:
         section(report, "gemms", lambda: time_gemms(device, torch.bfloat16, [1, 16, 64]))
     prefill_rows(report, runner, smoke, sharded)
-    if a.json:
+    report["summary"] = summary(report)
+    if a.json and a.json != "-":
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
     streamed = report["streamed_weight_bytes"] / 1e9
@@ -541,6 +512,8 @@ def main(argv=None) -> None:
             f"gemm m={r['m']:>2} {r['k']}x{r['n']}: cuBLAS {r['ms'] * 1e3:.0f} us "
             f"({r['TBps']:.2f} TB/s)"
         )
+    if a.json == "-":  # the whole report, last
+        print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

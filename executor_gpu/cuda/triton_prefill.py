@@ -30,8 +30,61 @@ import triton.language as tl
 
 from common.torch.attention import AttentionMetadata
 
-#: log2(e): scores are scaled into base 2 once so that the softmax uses exp2.
-LOG2E = 1.4426950408889634
+
+@triton.jit
+def _attend_tile(
+    q,
+    q_pos,
+    m_i,
+    l_i,
+    acc,
+    start,
+    last_pos,
+    k_ptr,
+    v_ptr,
+    table,
+    q_start,
+    head_off,
+    kv_stride_block,
+    kv_stride_slot,
+    block_size,
+    window,
+    scale,
+    softcap,
+    BLOCK_N: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PAGED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    """The online-softmax update of a query tile by the keys at ``start .. start + BLOCK_N``
+    (those before ``last_pos``): returns the new (max, denominator, weighted sum)."""
+    k_pos = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, DIM_PAD)
+    k_ok = k_pos < last_pos
+    if PAGED:  # through the block table
+        block = tl.load(table + k_pos // block_size, mask=k_ok, other=0)
+        row = block.to(tl.int64) * kv_stride_block + (k_pos % block_size) * kv_stride_slot
+    else:  # the step's own packed keys (no cache: the context is the chunk)
+        row = (q_start + k_pos).to(tl.int64) * kv_stride_slot
+    offs = head_off + row[:, None] + d[None, :]
+    kv_mask = k_ok[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, D]
+    v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N]
+    if SOFTCAP:  # cap * tanh(s / cap), tanh written with a sigmoid
+        scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+    scores = scores * 1.4426950408889634  # log2(e): the softmax in base 2 (exp2)
+    visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+    visible = visible & ((k_pos[None, :] > q_pos[:, None] - window) | (window <= 0))
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    p = tl.exp2(scores - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -65,77 +118,59 @@ def _paged_prefill_kernel(
     PAGED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PIPELINED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     req = first_req + tl.program_id(1)
     head = tl.program_id(2)
     q_start = tl.load(qsl_ptr + req)
-    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    q_len = (tl.load(qsl_ptr + req + 1) - q_start).to(tl.int32)
     if tile * BLOCK_M >= q_len:  # past this request's chunk (the grid fits the longest one)
         return
-    seq_len = tl.load(seq_lens_ptr + req)
+    seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
     prefix = seq_len - q_len  # tokens cached before this step
-    kv_head = head // GROUP
     m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, DIM_PAD)
-    m_ok = m < q_len
-    d_ok = d < HEAD_DIM
-    q_pos = prefix + m  # context position of each query row
+    q_mask = (m < q_len)[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(
         q_ptr + (q_start + m)[:, None] * q_stride_t + head * q_stride_h + d[None, :],
-        mask=m_ok[:, None] & d_ok[None, :],
+        mask=q_mask,
         other=0.0,
     )
-    dot_dtype = tl.float32 if DOT_F32 else q.dtype  # (operands rounded to q's dtype either way)
-    q = q.to(dot_dtype)
+    if DOT_F32:  # (the interpreter's bfloat16 products: see paged_prefill_attention)
+        q = q.to(tl.float32)
     # Keys this tile may see: up to its last query (causal), from its first query's window.
     last_pos = tl.minimum(prefix + (tile + 1) * BLOCK_M, seq_len)
-    start = tl.where(window > 0, tl.maximum(prefix + tile * BLOCK_M - window + 1, 0), 0)
+    lo = tl.where(window > 0, tl.maximum(prefix + tile * BLOCK_M - window + 1, 0), 0)
     # The running max starts finite: a row whose window begins past the first tile has
     # nothing visible there, and exp(-inf - -inf) would be NaN.
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running softmax denominator
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)  # running weighted sum of values
     table = tables_ptr + req * table_stride
-    head_off = kv_head * kv_stride_head
-    qk_scale = scale * 1.4426950408889634  # (LOG2E: exp2 below)
-    while start < last_pos:  # (a while loop: Triton's interpreter cannot range over a tensor)
-        k_pos = start + n
-        k_ok = k_pos < last_pos
-        if PAGED:  # through the block table
-            block = tl.load(table + k_pos // block_size, mask=k_ok, other=0)
-            row = block.to(tl.int64) * kv_stride_block + (k_pos % block_size) * kv_stride_slot
-        else:  # the step's own packed keys (no cache: the context is the chunk)
-            row = (q_start + k_pos).to(tl.int64) * kv_stride_slot
-        offs = head_off + row[:, None] + d[None, :]
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)  # [BLOCK_N, D]
-        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
-        k = k.to(out_ptr.dtype.element_ty).to(dot_dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [M, N]
-        if SOFTCAP:  # cap * tanh(s / cap), tanh written with a sigmoid
-            scores = scores * scale
-            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
-            scores = scores * 1.4426950408889634
-        else:
-            scores = scores * qk_scale
-        visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        visible = visible & ((k_pos[None, :] > q_pos[:, None] - window) | (window <= 0))
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-        m_i = m_new
-        start += BLOCK_N
+    head_off = (head // GROUP) * kv_stride_head
+    if PIPELINED:  # a counted loop, which the compiler software-pipelines (loads ahead)
+        for start in tl.range(lo, last_pos, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, prefix + m, m_i, l_i, acc, start, last_pos, k_ptr, v_ptr, table, q_start,
+                head_off, kv_stride_block, kv_stride_slot, block_size, window, scale, softcap,
+                BLOCK_N, DIM_PAD, HEAD_DIM, PRECISION, PAGED, SOFTCAP,
+            )  # fmt: skip
+    else:  # Triton's interpreter cannot range over a tensor
+        start = lo
+        while start < last_pos:
+            m_i, l_i, acc = _attend_tile(
+                q, prefix + m, m_i, l_i, acc, start, last_pos, k_ptr, v_ptr, table, q_start,
+                head_off, kv_stride_block, kv_stride_slot, block_size, window, scale, softcap,
+                BLOCK_N, DIM_PAD, HEAD_DIM, PRECISION, PAGED, SOFTCAP,
+            )  # fmt: skip
+            start += BLOCK_N
     # (Rows past the chunk may have seen nothing: l = 0 there, and they are not stored.)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + (q_start + m)[:, None] * out_stride_t + head * out_stride_h + d[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=m_ok[:, None] & d_ok[None, :],
+        mask=q_mask,
     )
 
 
@@ -235,6 +270,7 @@ def paged_prefill_attention(
         PAGED=paged,
         SOFTCAP=softcap > 0,
         DOT_F32=dot_f32,
+        PIPELINED=query.device.type == "cuda",
         num_warps=warps,
     )
     return out

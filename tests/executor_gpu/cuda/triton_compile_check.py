@@ -73,6 +73,7 @@ def _compile_prefill(dtype: str, precision: str) -> None:
                 PAGED=paged,
                 SOFTCAP=softcap,
                 DOT_F32=False,
+                PIPELINED=True,
             ),
             num_warps=warps,
         )
