@@ -12,7 +12,9 @@ in block ``block_table[p // block_size]`` at offset ``p % block_size``.
 A step is a flat ragged batch of T new tokens from R requests. The batch builder orders requests
 so that those with a single query token (decodes, or a one-token prefill tail) come first: they
 are attended together in one gathered, padded, masked pass. Longer query chunks (prefills) are
-attended one request at a time with an explicit causal mask offset by the tokens already cached.
+attended one request at a time with an explicit causal mask offset by the tokens already cached;
+a device backend built with ``paged_attention_with`` may replace either part (the CUDA one
+attends every prefill chunk in one kernel launch).
 
 Every backend takes two per-layer options beside the scale: ``window`` (sliding-window
 attention: a query at position p sees the keys at positions p - window + 1 .. p; 0 = the whole

@@ -7,9 +7,11 @@ end of its context of ``seq_len`` tokens (the first ``seq_len - q_len`` were cac
 step: a prefix-cache hit or earlier chunks). One program computes ``BLOCK_M`` query tokens of
 one request for one query head: it walks the keys that tile can see (causal; within the window
 of a sliding-window layer) ``BLOCK_N`` at a time, reading keys and values in place through the
-request's block table, with an online softmax in float32 (exp2, the scale folded in). Programs
-whose tile lies past their request's chunk return at once, so the grid is sized by the longest
-chunk of the step and any mix of lengths shares it.
+request's block table, with an online softmax in float32 (in base 2: exp2). Key tiles that
+end before the tile's first query need no causal mask and are walked first; on CUDA both walks
+are counted loops, which the compiler software-pipelines. Programs whose tile lies past their
+request's chunk return at once, so the grid is sized by the longest chunk of the step and any
+mix of lengths shares it.
 
 The new tokens' keys and values are in the cache before the launch (the backend writes them
 first), so a chunk sees its own keys like the cached ones. Without a cache (the profiling pass
@@ -57,12 +59,18 @@ def _attend_tile(
     PRECISION: tl.constexpr,
     PAGED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DIAGONAL: tl.constexpr,
 ):
     """The online-softmax update of a query tile by the keys at ``start .. start + BLOCK_N``
-    (those before ``last_pos``): returns the new (max, denominator, weighted sum)."""
+    (those before ``last_pos``): returns the new (max, denominator, weighted sum). Off the
+    ``DIAGONAL`` every key of the tile precedes every query: no causal mask, no bound."""
     k_pos = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, DIM_PAD)
-    k_ok = k_pos < last_pos
+    if DIAGONAL:
+        k_ok = k_pos < last_pos
+    else:  # (all true: the tile ends before the diagonal)
+        k_ok = k_pos >= 0
     if PAGED:  # through the block table
         block = tl.load(table + k_pos // block_size, mask=k_ok, other=0)
         row = block.to(tl.int64) * kv_stride_block + (k_pos % block_size) * kv_stride_slot
@@ -76,9 +84,13 @@ def _attend_tile(
     if SOFTCAP:  # cap * tanh(s / cap), tanh written with a sigmoid
         scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
     scores = scores * 1.4426950408889634  # log2(e): the softmax in base 2 (exp2)
-    visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-    visible = visible & ((k_pos[None, :] > q_pos[:, None] - window) | (window <= 0))
-    scores = tl.where(visible, scores, float("-inf"))
+    if DIAGONAL:
+        visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        scores = tl.where(visible, scores, float("-inf"))
+    elif WINDOW:
+        scores = tl.where(k_pos[None, :] > q_pos[:, None] - window, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     p = tl.exp2(scores - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
@@ -119,6 +131,7 @@ def _paged_prefill_kernel(
     SOFTCAP: tl.constexpr,
     DOT_F32: tl.constexpr,
     PIPELINED: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     tile = tl.program_id(0)
     req = first_req + tl.program_id(1)
@@ -149,20 +162,36 @@ def _paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)  # running weighted sum of values
     table = tables_ptr + req * table_stride
     head_off = (head // GROUP) * kv_stride_head
-    if PIPELINED:  # a counted loop, which the compiler software-pipelines (loads ahead)
-        for start in tl.range(lo, last_pos, BLOCK_N):
+    # Keys before the tile's first query are seen by all its rows (the causal mask is only
+    # needed from there on, on the diagonal): whole key tiles up to there, then the rest.
+    diagonal = lo + ((prefix + tile * BLOCK_M - lo) // BLOCK_N) * BLOCK_N
+    if PIPELINED:  # counted loops, which the compiler software-pipelines (loads ahead)
+        for start in tl.range(lo, diagonal, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, prefix + m, m_i, l_i, acc, start, last_pos, k_ptr, v_ptr, table, q_start,
                 head_off, kv_stride_block, kv_stride_slot, block_size, window, scale, softcap,
-                BLOCK_N, DIM_PAD, HEAD_DIM, PRECISION, PAGED, SOFTCAP,
+                BLOCK_N, DIM_PAD, HEAD_DIM, PRECISION, PAGED, SOFTCAP, WINDOW, False,
             )  # fmt: skip
-    else:  # Triton's interpreter cannot range over a tensor
+        for start in tl.range(diagonal, last_pos, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, prefix + m, m_i, l_i, acc, start, last_pos, k_ptr, v_ptr, table, q_start,
+                head_off, kv_stride_block, kv_stride_slot, block_size, window, scale, softcap,
+                BLOCK_N, DIM_PAD, HEAD_DIM, PRECISION, PAGED, SOFTCAP, WINDOW, True,
+            )  # fmt: skip
+    else:  # the same loops for Triton's interpreter, which cannot range over a tensor
         start = lo
+        while start < diagonal:
+            m_i, l_i, acc = _attend_tile(
+                q, prefix + m, m_i, l_i, acc, start, last_pos, k_ptr, v_ptr, table, q_start,
+                head_off, kv_stride_block, kv_stride_slot, block_size, window, scale, softcap,
+                BLOCK_N, DIM_PAD, HEAD_DIM, PRECISION, PAGED, SOFTCAP, WINDOW, False,
+            )  # fmt: skip
+            start += BLOCK_N
         while start < last_pos:
             m_i, l_i, acc = _attend_tile(
                 q, prefix + m, m_i, l_i, acc, start, last_pos, k_ptr, v_ptr, table, q_start,
                 head_off, kv_stride_block, kv_stride_slot, block_size, window, scale, softcap,
-                BLOCK_N, DIM_PAD, HEAD_DIM, PRECISION, PAGED, SOFTCAP,
+                BLOCK_N, DIM_PAD, HEAD_DIM, PRECISION, PAGED, SOFTCAP, WINDOW, True,
             )  # fmt: skip
             start += BLOCK_N
     # (Rows past the chunk may have seen nothing: l = 0 there, and they are not stored.)
@@ -271,6 +300,7 @@ def paged_prefill_attention(
         SOFTCAP=softcap > 0,
         DOT_F32=dot_f32,
         PIPELINED=query.device.type == "cuda",
+        WINDOW=window > 0,
         num_warps=warps,
     )
     return out

@@ -43,20 +43,21 @@ def _compile(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4
 
 def _compile_prefill(dtype: str, precision: str) -> None:
     """The prefill kernel at the tiles it launches with on CUDA, paged and not, with and
-    without soft-capping, for the head sizes served."""
+    without soft-capping or a window, for the head sizes served."""
     ptrs = {n: f"*{dtype}" for n in ("out_ptr", "q_ptr", "k_ptr", "v_ptr")}
     ptrs.update(
         tables_ptr="*i64", seq_lens_ptr="*i64", qsl_ptr="*i64", scale="fp32", softcap="fp32"
     )
     size = 2 if dtype == "bf16" else 4
     cuda = torch.device("cuda")
-    for paged, softcap, head_dim in (
-        (True, False, 128),
-        (False, False, 128),
-        (True, True, 128),
-        (True, False, 64),
-        (True, False, 80),
-        (True, False, 256),
+    for paged, softcap, window, head_dim in (
+        (True, False, False, 128),
+        (False, False, False, 128),
+        (True, True, False, 128),
+        (True, False, True, 128),
+        (True, False, False, 64),
+        (True, False, False, 80),
+        (True, False, False, 256),
     ):
         dim_pad = triton.next_power_of_2(head_dim)
         block_m, block_n, warps = triton_prefill.tiles_for(dim_pad, size, cuda)
@@ -74,6 +75,7 @@ def _compile_prefill(dtype: str, precision: str) -> None:
                 SOFTCAP=softcap,
                 DOT_F32=False,
                 PIPELINED=True,
+                WINDOW=window,
             ),
             num_warps=warps,
         )
