@@ -10,11 +10,15 @@ One script for a lent GPU, in the order that matters:
    forward pass + logits at batch 1/16/64 with torch operators (eager), the fused kernels
    (eager) and the fused kernels replayed from CUDA graphs, timed with CUDA events; and the
    whole executor step (``execute_model``: inputs, replay, sampling, results) at batch 64;
-4. the linear layers' GEMMs at decode row counts in both weight layouts.
+4. the linear layers' GEMMs at decode row counts in both weight layouts;
+5. prefill (benchmarks/gpu_prefill.py): the batched Triton prefill kernel against the torch
+   prefills it replaced, attention alone and the whole forward pass, at steps of ~2048 new
+   tokens, as TFLOPS and a fraction of the device's bf16 peak.
 
 The bound is the weights' bytes over 4.8 TB/s (the H200's datasheet bandwidth); the KV cache a
-step reads is reported beside it. ``--smoke`` runs the same code on the CPU with a tiny model
-(no graphs, no ceilings) so that the script is tested where there is no GPU.
+step reads is reported beside it, and ``over_copy`` is each decode time over the bytes it reads
+(streamed weights + KV) at the measured copy rate. ``--smoke`` runs the same code on the CPU
+with a tiny model (no graphs, no ceilings) so that the script is tested where there is no GPU.
 
     python benchmarks/gpu_step.py --json /tmp/gpu_step.json
 """
@@ -43,6 +47,16 @@ from benchmarks.gpu_kernels import (  # noqa: E402
     fabricated_meta,
     sweep_attention,
     time_gemms,
+)
+from benchmarks.gpu_prefill import (  # noqa: E402
+    CASES,
+    SMOKE_CASES,
+    check_prefill_kernel,
+    prefill_backends,
+    print_prefill,
+    summary,
+    time_attention,
+    time_prefill_forward,
 )
 from common.host.settings import ExecutorConfig  # noqa: E402
 from common.torch.models.layer_ops import TORCH_LAYER_OPS  # noqa: E402
@@ -312,6 +326,16 @@ def section(report: dict, key: str, fn) -> None:
     print(f"[{time.perf_counter() - started:6.1f}s] {key}: {report[key]}", flush=True)
 
 
+def prefill_rows(report: dict, runner: GPUModelRunner, smoke: bool, sharded: bool) -> None:
+    """The prefill sections: attention alone and the forward pass, old path and new."""
+    backends = prefill_backends(runner)
+    report["prefill_backends"] = backends
+    cases = SMOKE_CASES if smoke else CASES
+    section(report, "prefill_attention", lambda: time_attention(runner.device, backends, cases))
+    if not sharded:  # (the ranks run the backend they loaded with)
+        section(report, "prefill_forward", lambda: time_prefill_forward(runner, backends, cases))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", default="1,16,64")
@@ -335,7 +359,7 @@ def main(argv=None) -> None:
         default=1,
         help="shard the Llama-3-8B-shaped model over N devices (follower ranks; no graphs)",
     )
-    p.add_argument("--json", default="")
+    p.add_argument("--json", default="", help="write the report here; - prints it last")
     a = p.parse_args(argv)
     smoke = a.smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda", None if smoke else 0)
@@ -347,6 +371,7 @@ def main(argv=None) -> None:
     if not smoke:
         section(report, "copy_TBps", lambda: copy_bandwidth(device) / 1e12)
         section(report, "kernel_rel_err", lambda: check_kernels(device))
+        section(report, "prefill_rel_err", lambda: check_prefill_kernel(device))
         section(report, "attention_sweep", lambda: sweep_attention(device, a.sweep))
     section(report, "tiny_vs_hf", lambda: check_tiny_vs_hf(device, smoke))
 
@@ -440,9 +465,16 @@ def main(argv=None) -> None:
         kv = 2 * r["batch"] * r["context"] * g.num_kv_heads * g.head_dim * 2 * g.num_layers
         r.update(kv_bytes=kv, bound_ms=bound_ms, over_bound=r["ms"] / bound_ms)
     report["forward"] = rows
+    copy_rate = report.get("copy_TBps")
+    for r in rows:  # the decode step against the bytes it reads, at the measured copy rate
+        read = report["streamed_weight_bytes"] + r["kv_bytes"]
+        ok = isinstance(copy_rate, float)
+        r["over_copy"] = r["ms"] / (read / (copy_rate * 1e12) * 1e3) if ok else None
     if not smoke:
         section(report, "gemms", lambda: time_gemms(device, torch.bfloat16, [1, 16, 64]))
-    if a.json:
+    prefill_rows(report, runner, smoke, sharded)
+    report["summary"] = summary(report)
+    if a.json and a.json != "-":
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
     streamed = report["streamed_weight_bytes"] / 1e9
@@ -450,12 +482,13 @@ def main(argv=None) -> None:
         f"\nweights {runner.weights_bytes / 1e9:.2f} GB ({streamed:.2f} GB streamed per "
         f"step); bound at 4.8 TB/s {bound_ms:.2f} ms; copy {report.get('copy_TBps')} TB/s"
     )
-    print(f"{'batch':>5} {'ctx':>5} {'variant':>7} {'ms':>8} {'x bound':>8} {'KV GB':>6}")
+    print(f"{'batch':>5} {'ctx':>5} {'variant':>7} {'ms':>8} {'x bound':>8} {'KV GB':>6} x copy")
     for r in rows:
         print(
             f"{r['batch']:>5} {r['context']:>5} {r['variant']:>7} {r['ms']:>8.2f} "
-            f"{r['over_bound']:>8.2f} {r['kv_bytes'] / 1e9:>6.2f}"
+            f"{r['over_bound']:>8.2f} {r['kv_bytes'] / 1e9:>6.2f} {r['over_copy']}"
         )
+    print_prefill(report)
     sweep = report.get("attention_sweep")
     for r in sweep if isinstance(sweep, list) else []:
         print(
@@ -479,6 +512,8 @@ def main(argv=None) -> None:
             f"gemm m={r['m']:>2} {r['k']}x{r['n']}: cuBLAS {r['ms'] * 1e3:.0f} us "
             f"({r['TBps']:.2f} TB/s)"
         )
+    if a.json == "-":  # the whole report, last
+        print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

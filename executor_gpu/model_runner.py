@@ -5,8 +5,9 @@ module runs a built step eagerly: one forward pass over every scheduled token, l
 the rows that need them (sampling positions, prompt-logprob positions), one batched sampling
 pass (``common.torch.sampling``), one device-to-host copy of the results.
 
-On CUDA it uses executor_gpu's Triton kernels: decode attention over the paged cache
-("triton_paged") and the fused per-layer ops (``triton_layer_ops``), and replays pure decode
+On CUDA it uses executor_gpu's Triton kernels: decode and prefill attention over the paged
+cache ("triton_paged": a step's decodes in one launch, its prefill chunks in another) and the
+fused per-layer ops (``triton_layer_ops``), and replays pure decode
 steps from CUDA graphs (``cuda/graphs.py``; not with enforce_eager). On the CPU (float32 or
 bfloat16, the KV cache in the same dtype) it uses
 the C++ kernels where they build: paged attention of decodes and prefill chunks ("cpu_paged")

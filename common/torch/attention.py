@@ -12,7 +12,9 @@ in block ``block_table[p // block_size]`` at offset ``p % block_size``.
 A step is a flat ragged batch of T new tokens from R requests. The batch builder orders requests
 so that those with a single query token (decodes, or a one-token prefill tail) come first: they
 are attended together in one gathered, padded, masked pass. Longer query chunks (prefills) are
-attended one request at a time with an explicit causal mask offset by the tokens already cached.
+attended one request at a time with an explicit causal mask offset by the tokens already cached;
+a device backend built with ``paged_attention_with`` may replace either part (the CUDA one
+attends every prefill chunk in one kernel launch).
 
 Every backend takes two per-layer options beside the scale: ``window`` (sliding-window
 attention: a query at position p sees the keys at positions p - window + 1 .. p; 0 = the whole
@@ -201,12 +203,47 @@ def _prefill_attention(
 
 
 DecodeAttention = Callable[..., torch.Tensor]
+#: (query, key, value, kv_cache, meta, scale, out, window=, softcap=) -> None: the attention of
+#: every request from ``meta.num_decodes`` on (all of them with ``kv_cache=None``) written into
+#: their rows of ``out``, in one call.
+PrefillAttention = Callable[..., None]
 
 
-def paged_attention_with(decode: DecodeAttention):
+def _torch_prefills(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor | None,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> None:
+    """The reference ``PrefillAttention``: one request at a time (``_prefill_attention``)."""
+    qsl = meta.query_start_loc_host
+    first = meta.num_decodes if kv_cache is not None else 0
+    for req in range(first, meta.num_requests):
+        start, end = qsl[req], qsl[req + 1]
+        out[start:end] = _prefill_attention(
+            query[start:end],
+            key[start:end],
+            value[start:end],
+            kv_cache,
+            meta,
+            req,
+            scale,
+            window,
+            softcap,
+        )
+
+
+def paged_attention_with(decode: DecodeAttention, prefill: PrefillAttention = _torch_prefills):
     """A paged-attention backend whose single-token requests go to `decode` (query [N, heads,
     d], the KV cache, the metadata and the scale, with the ``window`` and ``softcap`` keywords
-    -> [N, heads, d]) and whose longer query chunks use the torch implementation.
+    -> [N, heads, d]) and whose longer query chunks go to `prefill` (a ``PrefillAttention``;
+    by default the torch implementation, one request at a time), after every new token's key
+    and value is in the cache.
 
     A `decode` with a true ``stores_kv`` attribute also takes the decodes' new ``key`` and
     ``value`` ([N, kv_heads, d]) and stores them itself; the backend then writes only the
@@ -242,20 +279,7 @@ def paged_attention_with(decode: DecodeAttention):
         out = torch.empty_like(query)
         if num_decodes > 0:
             out[:num_decodes] = decode(query[:num_decodes], kv_cache, meta, scale, **extra)
-        qsl = meta.query_start_loc_host
-        for req in range(num_decodes, meta.num_requests):
-            start, end = qsl[req], qsl[req + 1]
-            out[start:end] = _prefill_attention(
-                query[start:end],
-                key[start:end],
-                value[start:end],
-                kv_cache,
-                meta,
-                req,
-                scale,
-                window,
-                softcap,
-            )
+        prefill(query, key, value, kv_cache, meta, scale, out, window=window, softcap=softcap)
         return out
 
     return backend

@@ -10,10 +10,11 @@ mix of lengths and the launch can be captured in a CUDA graph.
 
 A sliding-window layer's programs start at the first position in the window (the tiles before
 it are never read); soft-capped scores (``cap * tanh(score / cap)``) are capped before the
-softmax. Longer query chunks (prefills) use the torch implementation
-(``paged_attention_with``). The
-kernel also runs under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is
-how the tests check it on machines without a GPU.
+softmax. Longer query chunks (prefills) go to the prefill kernel (``triton_prefill``: every
+chunk of the step in one launch); "triton_paged_torch_prefill" keeps the torch implementation
+for them (one request at a time), for comparison. The kernel also runs under Triton's
+interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how the tests check it on machines
+without a GPU.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ from common.torch.attention import (
     paged_attention_with,
     register_attention_backend,
 )
+from executor_gpu.cuda import triton_prefill
 
 BACKEND_NAME = "triton_paged"
+#: The same decodes with the torch prefills (the path before the prefill kernel).
+TORCH_PREFILL_BACKEND_NAME = "triton_paged_torch_prefill"
 #: Context tokens one loop iteration reads (a power of two, at least 16; the block size need not
 #: divide it).
 #: 128 measured fastest on an H200 (bf16, 128-wide heads): 2.9 TB/s of KV at batch 64 x 256
@@ -345,5 +349,7 @@ _decode.stores_kv = True  # paged_attention_with leaves the decodes' cache write
 
 
 def register() -> None:
-    """Register the "triton_paged" backend (Triton decodes, torch prefills)."""
-    register_attention_backend(BACKEND_NAME, paged_attention_with(_decode))
+    """Register the "triton_paged" backend (Triton decodes and prefills) and
+    "triton_paged_torch_prefill" (Triton decodes, torch prefills)."""
+    register_attention_backend(BACKEND_NAME, paged_attention_with(_decode, triton_prefill.prefill))
+    register_attention_backend(TORCH_PREFILL_BACKEND_NAME, paged_attention_with(_decode))

@@ -237,6 +237,12 @@ def test_gpu_step_benchmark_smoke_on_the_cpu(tmp_path):
     assert {(1, 20, "graph"), (3, 20, "fused"), (3, 40, "graph")} <= variants
     assert all(r["ms"] > 0 and r["kv_bytes"] > 0 for r in report["forward"])
     assert report["executor_step_ms"] > 0
+    # Prefill: the runner's path ("old") and the Triton kernel under the interpreter ("new"),
+    # attention alone and the forward pass, every case.
+    assert report["prefill_backends"]["new"] == "triton_paged"
+    for key in ("prefill_attention", "prefill_forward"):
+        assert len(report[key]) == 3, report[key]
+        assert all(r["old"]["ms"] > 0 and r["new"]["ms"] > 0 for r in report[key])
 
 
 def test_tp_step_benchmark_measures_both_sizes_and_models_the_traffic(tmp_path):

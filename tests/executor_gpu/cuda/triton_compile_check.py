@@ -18,11 +18,12 @@ sys.path.insert(
     0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 )
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from executor_gpu.cuda import triton_attention, triton_layer_ops  # noqa: E402
+from executor_gpu.cuda import triton_attention, triton_layer_ops, triton_prefill  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -38,6 +39,47 @@ def _compile(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4
             signature[name] = types.get(name, "i32")
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+
+
+def _compile_prefill(dtype: str, precision: str) -> None:
+    """The prefill kernel at the tiles it launches with on CUDA, paged and not, with and
+    without soft-capping or a window, for the head sizes served."""
+    ptrs = {n: f"*{dtype}" for n in ("out_ptr", "q_ptr", "k_ptr", "v_ptr")}
+    ptrs.update(
+        tables_ptr="*i64", seq_lens_ptr="*i64", qsl_ptr="*i64", scale="fp32", softcap="fp32"
+    )
+    size = 2 if dtype == "bf16" else 4
+    cuda = torch.device("cuda")
+    for paged, softcap, window, head_dim in (
+        (True, False, False, 128),
+        (False, False, False, 128),
+        (True, True, False, 128),
+        (True, False, True, 128),
+        (True, False, False, 64),
+        (True, False, False, 80),
+        (True, False, False, 256),
+    ):
+        dim_pad = triton.next_power_of_2(head_dim)
+        block_m, block_n, warps = triton_prefill.tiles_for(dim_pad, size, cuda)
+        kernel = _compile(
+            triton_prefill._paged_prefill_kernel,
+            ptrs,
+            dict(
+                GROUP=4,
+                HEAD_DIM=head_dim,
+                DIM_PAD=dim_pad,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                PRECISION=precision,
+                PAGED=paged,
+                SOFTCAP=softcap,
+                DOT_F32=False,
+                PIPELINED=True,
+                WINDOW=window,
+            ),
+            num_warps=warps,
+        )
+        assert kernel.metadata.shared <= 227 * 1024, (head_dim, kernel.metadata.shared)
 
 
 def main() -> None:
@@ -88,6 +130,7 @@ def main() -> None:
             },
             dict(HEAD_DIM=128, DIM_PAD=128, PARTS=8),
         )
+        _compile_prefill(dtype, precision)
         for residual in (False, True):
             _compile(
                 triton_layer_ops._rms_norm_kernel,
