@@ -1,0 +1,70 @@
+"""The pip requirements of an image: the project's dependencies and one extra's, from pyproject.
+
+The executor images install these before the project itself (`pip install --no-deps .`), so
+that torch, the largest layer, is its own layer built once per pin, and so that an image can take
+another torch than the extra's pin: `--torch "torch==2.13.0+cpu"` (a CPU build, for CPU nodes
+and the image tests) replaces the pinned requirement and nothing else.
+
+    python pyproject_requirements.py EXTRA [--torch REQUIREMENT] [--only-torch]
+
+Prints one requirement a line. Runs with the build's Python alone (tomllib, no packages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import tomllib
+
+_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+
+
+def _name(requirement: str) -> str:
+    """The normalized distribution name of a requirement (PEP 503)."""
+    match = _NAME.match(requirement)
+    if not match:
+        raise ValueError(f"not a requirement: {requirement!r}")
+    return re.sub(r"[-_.]+", "-", match.group(1)).lower()
+
+
+def requirements(pyproject: dict, extra: str, torch: str = "") -> list[str]:
+    """The project's dependencies and EXTRA's (its own `project[...]` extras expanded), in
+    order, without repeats; torch's requirement replaced by `torch` when given."""
+    project = pyproject["project"]
+    own = _name(project["name"])
+    extras = project.get("optional-dependencies", {})
+    found: list[str] = []
+
+    def add(reqs: list[str]) -> None:
+        for req in reqs:
+            if _name(req) == own:  # "tandem[controller,gpu]": that extra's requirements
+                inner = re.search(r"\[([^\]]*)\]", req)
+                for name in inner.group(1).split(",") if inner else []:
+                    add(extras[name.strip()])
+            elif req not in found:
+                found.append(req)
+
+    if extra not in extras:
+        raise SystemExit(f"pyproject.toml has no extra {extra!r}")
+    add(list(project.get("dependencies", [])) + extras[extra])
+    if torch:
+        found = [torch if _name(r) == "torch" else r for r in found]
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("extra", help="the pyproject extra, e.g. gpu")
+    parser.add_argument("--torch", default="", help="torch's requirement instead of the pin")
+    parser.add_argument("--only-torch", action="store_true", help="print torch's line alone")
+    parser.add_argument("--pyproject", default="pyproject.toml")
+    args = parser.parse_args()
+    with open(args.pyproject, "rb") as f:
+        reqs = requirements(tomllib.load(f), args.extra, args.torch)
+    if args.only_torch:
+        reqs = [r for r in reqs if _name(r) == "torch"]
+    print("\n".join(reqs))
+
+
+if __name__ == "__main__":
+    main()
