@@ -28,8 +28,9 @@ COPY pyproject.toml docker/pyproject_requirements.py ./
 ARG TORCH
 ARG TORCH_INDEX_URL
 ARG PIP_FIND_LINKS
-# torch alone first: its layer (GBs with CUDA) is built once per pin, not once per source change.
-RUN python pyproject_requirements.py gpu --torch "$TORCH" --only-torch >torch.txt \
+# torch alone first: its layer (GBs with CUDA) is built once per pin, not once per source change,
+# and shared with the TPU image (executor-tpu.Dockerfile has the same lines up to here).
+RUN python pyproject_requirements.py --only-torch --torch "$TORCH" >torch.txt \
  && pip install ${TORCH_INDEX_URL:+--extra-index-url=$TORCH_INDEX_URL} -r torch.txt
 RUN python pyproject_requirements.py gpu --torch "$TORCH" >requirements.txt \
  && pip install -r requirements.txt

@@ -1,13 +1,16 @@
 """The pip requirements of an image: the project's dependencies and one extra's, from pyproject.
 
 The executor images install these before the project itself (`pip install --no-deps .`), so
-that torch, the largest layer, is its own layer built once per pin, and so that an image can take
-another torch than the extra's pin: `--torch "torch==2.13.0+cpu"` (a CPU build, for CPU nodes
-and the image tests) replaces the pinned requirement and nothing else.
+that torch, the largest layer, is its own layer built once per pin (and shared by the GPU and TPU
+images: the same instruction after the same layers), and so that an image can take another
+torch than the pin: `--torch "torch==2.13.0+cpu"` (a CPU build, for CPU nodes and the image
+tests) replaces the pinned requirement and nothing else.
 
-    python pyproject_requirements.py EXTRA [--torch REQUIREMENT] [--only-torch]
+    python pyproject_requirements.py EXTRA [--torch REQUIREMENT]
+    python pyproject_requirements.py --only-torch [--torch REQUIREMENT]
 
-Prints one requirement a line. Runs with the build's Python alone (tomllib, no packages).
+Prints one requirement a line; --only-torch: torch's alone, the pin every extra that names
+torch shares. Runs with the build's Python alone (tomllib, no packages).
 """
 
 from __future__ import annotations
@@ -52,18 +55,31 @@ def requirements(pyproject: dict, extra: str, torch: str = "") -> list[str]:
     return found
 
 
+def torch_pin(pyproject: dict, torch: str = "") -> str:
+    """The torch requirement of every extra that names torch (they must agree: the images share
+    its layer, and torch_xla needs exactly its torch), or `torch` when given."""
+    extras = pyproject["project"].get("optional-dependencies", {})
+    pins = {r for reqs in extras.values() for r in reqs if _name(r) == "torch"}
+    if len(pins) != 1:
+        raise SystemExit(f"the extras pin torch differently: {sorted(pins)}")
+    return torch or pins.pop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("extra", help="the pyproject extra, e.g. gpu")
+    parser.add_argument("extra", nargs="?", help="the pyproject extra, e.g. gpu")
     parser.add_argument("--torch", default="", help="torch's requirement instead of the pin")
     parser.add_argument("--only-torch", action="store_true", help="print torch's line alone")
     parser.add_argument("--pyproject", default="pyproject.toml")
     args = parser.parse_args()
+    if not args.extra and not args.only_torch:
+        parser.error("an extra, or --only-torch")
     with open(args.pyproject, "rb") as f:
-        reqs = requirements(tomllib.load(f), args.extra, args.torch)
+        pyproject = tomllib.load(f)
     if args.only_torch:
-        reqs = [r for r in reqs if _name(r) == "torch"]
-    print("\n".join(reqs))
+        print(torch_pin(pyproject, args.torch))
+    else:
+        print("\n".join(requirements(pyproject, args.extra, args.torch)))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ def _printed(*args: str) -> list[str]:
 def test_prints_the_dependencies_and_the_extra(extra):
     expected = PROJECT["dependencies"] + PROJECT["optional-dependencies"][extra]
     assert _printed(extra) == list(dict.fromkeys(expected))
-    assert _printed(extra, "--only-torch") == ["torch==2.9.0"]
+    assert _printed("--only-torch") == ["torch==2.9.0"]
+    assert _printed("--only-torch", "--torch", "torch==2.13.0+cpu") == ["torch==2.13.0+cpu"]
 
 
 def test_another_torch_replaces_the_pin_and_nothing_else():
@@ -37,6 +38,14 @@ def test_another_torch_replaces_the_pin_and_nothing_else():
     assert [r for r in cpu if r not in pinned] == ["torch==2.13.0+cpu"]
     assert [r for r in pinned if r not in cpu] == ["torch==2.9.0"]
     assert cpu.index("torch==2.13.0+cpu") == pinned.index("torch==2.9.0")
+
+
+def test_every_extra_pins_the_same_torch():
+    """The GPU and TPU images share torch's layer: one pin for every extra that names torch."""
+    pins = {r for reqs in PROJECT["optional-dependencies"].values() for r in reqs}
+    assert {r for r in pins if r.startswith("torch") and not r.startswith("torch_")} == {
+        "torch==2.9.0"
+    }
 
 
 def test_the_projects_own_extras_are_expanded():

@@ -232,7 +232,8 @@ def test_installs_exactly_its_extra(image):
         # alone first, its own layer), then the project without its pins.
         assert local == ["."] and "pip install --no-deps ." in runs, f"{image}: installs {local}"
         printed = f'python pyproject_requirements.py {extra} --torch "$TORCH"'
-        assert f"{printed} --only-torch >torch.txt" in runs
+        torch = 'python pyproject_requirements.py --only-torch --torch "$TORCH" >torch.txt'
+        assert torch in runs
         assert f"{printed} >requirements.txt && pip install -r requirements.txt" in runs
         assert "pip check" in runs  # what the project needs is all there
     # The gRPC stubs are generated in the build, as `make proto` does, then the tool leaves.
@@ -264,8 +265,22 @@ def test_tpu_image_brings_libtpu_with_the_pinned_torch_xla():
     ]
     assert pins == ["torch_xla==2.9.0"]
     assert "torch_xla[tpu]==2.9.0" in reqs  # the [tpu] extra is what installs libtpu
+    # torch_xla's wheel names no torch: the build imports it, so a torch it was not built
+    # against (an undefined symbol) fails the build instead of the pod.
+    runs = " ".join(" ".join(dockerfile("executor-tpu")[0].all("RUN")).split())
+    assert runs.endswith('pip check && python -c "import torch_xla"'), runs
     final = dockerfile("executor-tpu")[-1]
     assert "PJRT_DEVICE=TPU" in " ".join(final.all("ENV"))
+
+
+def test_gpu_and_tpu_images_share_the_torch_layer():
+    """A builder reuses a layer made by the same instruction on the same parent: the executor
+    images' build stages agree up to and including torch's install, so torch (GBs with CUDA) is
+    built and stored once for both."""
+    gpu, tpu = (dockerfile(image)[0] for image in ("executor-gpu", "executor-tpu"))
+    assert gpu.base == tpu.base
+    upto = next(i for i, (ins, rest) in enumerate(gpu.instructions) if "torch.txt" in rest) + 1
+    assert upto > 1 and gpu.instructions[:upto] == tpu.instructions[:upto]
 
 
 def test_gpu_image_asks_for_the_driver():
