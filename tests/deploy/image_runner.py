@@ -26,6 +26,7 @@ BASE_IMAGE = os.environ.get("TANDEM_TEST_BASE_IMAGE", "localhost/tandem-base:boo
 # Free bytes podman's store needs to build an image from scratch, at its peak: the executor
 # image's with PyPI's (CUDA) torch, with a CPU torch, the controller's.
 MIN_FREE_BYTES = {"executor-gpu": 20 * 2**30, "executor-cpu": 6 * 2**30, "controller": 3 * 2**30}
+MIN_FREE_BYTES["executor-tpu"] = MIN_FREE_BYTES["executor-gpu"]  # the same torch layer
 TAG = "test"  # tag of the images the tests build: localhost/tandem/<image>:test
 
 

@@ -8,18 +8,19 @@ By default (`make test`) the controller image and the executor image are built, 
 executor image serves, behind the controller image, a greedy completion that must equal the
 source tree's own. The executor image is docker/executor-gpu.Dockerfile with a CPU build of
 torch (TORCH=torch==X+cpu from a wheel that pip's find-links hold on this host, or
-TANDEM_TEST_TORCH_INDEX_URL): the same runtime stage as the GPU image, with ~1 GB less torch.
+TANDEM_TEST_TORCH_INDEX_URL): the GPU image's runtime stage, without CUDA's ~6 GB.
 Without a CPU torch the executor runs from the source tree. With TANDEM_IMAGE_TESTS=all the
 executor image is built with PyPI's torch, as users pull it (the CUDA build: 7.6 GB, ~30
-minutes cold on two cores, more than the suite's budget). What this cannot prove without a GPU:
-CUDA itself, and Triton compiling a kernel (checked instead: the image compiles and loads a
-Python extension with the compiler and headers Triton's launcher build uses). The TPU image is
-not built here (its torch 2.9.0 is PyPI's CUDA build too: see docs/kubernetes.md); `make
-images` builds it.
+minutes cold on two cores, more than the suite's budget), and the TPU image too (the same torch
+layer, then torch_xla and libtpu), whose executor must pass warm-up on XLA:CPU behind the built
+controller. What this cannot prove without a GPU: CUDA itself, and Triton compiling a kernel
+(checked instead: the image compiles and loads a Python extension with the compiler and headers
+Triton's launcher build uses).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -36,11 +37,13 @@ from tests.support.processes import (
     tail_logs,
 )
 
-pytestmark = pytest.mark.slow
+FULL = os.environ.get("TANDEM_IMAGE_TESTS", "") == "all"
+# The first test carries the builds (its fixtures): ~10 minutes cold on two loaded cores by
+# default, ~35 with the CUDA images; pytest's 600 s per test is for one test's own work.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400 if FULL else 1800)]
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 12
-FULL = os.environ.get("TANDEM_IMAGE_TESTS", "") == "all"
 # The executor image's torch: PyPI's (FULL), else a CPU build found here (None: not built).
 CPU_TORCH = None if FULL else image_runner.find_cpu_torch()
 EXECUTOR_IMAGE = FULL or CPU_TORCH is not None
@@ -48,6 +51,8 @@ EXECUTOR_IMAGE = FULL or CPU_TORCH is not None
 BUILDS = {"controller": []}
 if EXECUTOR_IMAGE:
     BUILDS["executor-gpu"] = CPU_TORCH.build_args() if CPU_TORCH else []
+if FULL:  # PyPI's torch 2.9.0 (what torch_xla needs): the layer the GPU image's build made
+    BUILDS["executor-tpu"] = []
 needs_executor_image = pytest.mark.skipif(
     not EXECUTOR_IMAGE,
     reason="no CPU torch wheel here (pip's find-links, TANDEM_TEST_WHEELS or "
@@ -95,12 +100,20 @@ def image_server(built, tmp_path_factory):
     """The built controller (and executor, EXECUTOR_IMAGE) running; (URL, executor container
     or None, controller container)."""
     logs = str(tmp_path_factory.mktemp("image-run"))
+    with _serving(logs, _start_executor) as (url, executor, controller):
+        yield url, executor, controller
+
+
+@contextlib.contextmanager
+def _serving(logs: str, start_executor):
+    """The built controller in front of start_executor(logs, grpc_port)'s executor, healthy;
+    (URL, executor container or None, controller container); everything stopped after."""
     controller = image_runner.ChrootContainer("controller", model_dir())
     executor = None
     procs = []
     try:
         grpc_port, http_port = free_port(), free_port()
-        proc, executor = _start_executor(logs, grpc_port)
+        proc, executor = start_executor(logs, grpc_port)
         procs.append(proc)
         procs.append(
             controller.run(
@@ -110,7 +123,7 @@ def image_server(built, tmp_path_factory):
             )
         )
         url = f"http://127.0.0.1:{http_port}"
-        _wait_healthy(url, procs, logs, timeout=600)
+        _wait_healthy(url, procs, logs, timeout=900)
         yield url, executor, controller
     finally:
         for p in procs:
@@ -244,6 +257,26 @@ def _run_as_image_user(c: image_runner.ChrootContainer, argv: list[str]):
     cmd += ["/usr/bin/env", "-i", "-C", "/tmp"]  # env's options come before the variables
     cmd += [f"{k}={v}" for k, v in c.config.env.items()]
     return subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(not FULL, reason="the TPU image is built with TANDEM_IMAGE_TESTS=all")
+def test_tpu_image_warms_up_on_xla_cpu(built, tmp_path):
+    """The TPU image's executor on XLA:CPU (PJRT_DEVICE=CPU: no TPU here) behind the built
+    controller: it passes warm-up (the controller's cache set-up compiles its graphs) and
+    serves a completion."""
+
+    def start(logs: str, grpc_port: int):
+        executor = image_runner.ChrootContainer("executor-tpu", model_dir())
+        args = ["--model", executor.model, "--host", "127.0.0.1", "--port", str(grpc_port)]
+        args += ["--kv-cache-bytes", str(256 * 2**20)]
+        log = os.path.join(logs, "executor.log")
+        return executor.run(args, log, env={"PJRT_DEVICE": "CPU"}), executor
+
+    with _serving(str(tmp_path), start) as (url, executor, controller):
+        assert executor.config.env["PJRT_DEVICE"] == "TPU"  # the image's own; CPU passed here
+        assert _complete(url, os.path.basename(controller.model))
+    with open(tmp_path / "executor.log") as f:
+        assert "warm-up" in f.read()
 
 
 def test_image_sizes_are_reported(image_server):
