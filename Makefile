@@ -97,7 +97,9 @@ IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 # chroot isolation since its runtime cannot start containers on every host).
 DOCKER ?= $(shell command -v podman >/dev/null 2>&1 && echo podman || echo docker)
 DOCKER_BUILD_FLAGS := $(if $(filter podman,$(notdir $(DOCKER))),--isolation chroot,)
-# Extra build arguments, e.g. --build-arg BASE_IMAGE=... --build-arg TORCH_INDEX_URL=...
+# Extra build arguments, e.g. --build-arg BASE_IMAGE=... --build-arg TORCH_INDEX_URL=..., or a
+# CPU torch from a local wheel (podman): --build-arg TORCH=torch==2.13.0+cpu
+# --build-arg PIP_FIND_LINKS=/opt/wheels -v /opt/wheels:/opt/wheels:ro (docs/kubernetes.md)
 IMAGE_BUILD_ARGS ?=
 IMAGES := controller executor-gpu executor-tpu
 

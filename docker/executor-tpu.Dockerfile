@@ -17,19 +17,33 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
-COPY pyproject.toml ./
+COPY pyproject.toml docker/pyproject_requirements.py ./
+# Which torch: unset, the tpu extra's pin from PyPI, which is the CUDA build and brings ~3 GB of
+# NVIDIA libraries a TPU never uses; TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu gives
+# 2.9.0+cpu instead, which meets torch_xla's pin. TORCH (another torch, with PIP_FIND_LINKS) is
+# here for the layer shared with the GPU image: torch_xla needs exactly torch 2.9.0.
+ARG TORCH
+ARG TORCH_INDEX_URL
+ARG PIP_FIND_LINKS
+# torch alone first: its layer (GBs with CUDA) is built once per pin, not once per source change,
+# and shared with the GPU image (executor-gpu.Dockerfile has the same lines up to here).
+RUN python pyproject_requirements.py --only-torch --torch "$TORCH" >torch.txt \
+ && pip install ${TORCH_INDEX_URL:+--extra-index-url=$TORCH_INDEX_URL} -r torch.txt
+# torch_xla must match torch's version (pyproject's tpu extra pins both); [tpu] adds libtpu.
+RUN python pyproject_requirements.py tpu --torch "$TORCH" >requirements.txt \
+ && pip install -r requirements.txt "torch_xla[tpu]==2.9.0"
 COPY proto ./proto
 COPY common ./common
 COPY executor_tpu ./executor_tpu
-# torch_xla must match torch's version (pyproject's tpu extra pins both); [tpu] adds libtpu.
-# TORCH_INDEX_URL: an extra wheel index for torch; unset, PyPI's torch, which is the CUDA build
-# and brings ~4 GB of NVIDIA libraries a TPU never uses: https://download.pytorch.org/whl/cpu
-# gives 2.9.0+cpu instead, which satisfies torch_xla's pin.
-ARG TORCH_INDEX_URL
+# The gRPC stubs are generated here (they are never tracked), with the grpcio the image keeps.
+# torch_xla's wheel does not name its torch, so pip check cannot see a mismatch: importing it
+# does (an undefined symbol of torch's when TORCH is not 2.9.0).
 RUN pip install "grpcio-tools>=1.66" \
  && python -m grpc_tools.protoc -Icommon/wire/pb=proto --python_out=. --grpc_python_out=. proto/executor.proto \
- && pip install ${TORCH_INDEX_URL:+--extra-index-url=$TORCH_INDEX_URL} ".[tpu]" "torch_xla[tpu]==2.9.0" \
- && pip uninstall -y grpcio-tools
+ && pip install --no-deps . \
+ && pip uninstall -y grpcio-tools \
+ && pip check \
+ && python -c "import torch_xla"
 
 FROM ${BASE_IMAGE}
 LABEL org.opencontainers.image.title="tandem-executor-tpu" \

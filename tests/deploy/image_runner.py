@@ -10,10 +10,12 @@ network is shared, so the processes talk over 127.0.0.1 as in one pod.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -21,13 +23,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The local base (scripts/build_base_image.sh); TANDEM_TEST_BASE_IMAGE: another, e.g. a base
 # already built on this machine.
 BASE_IMAGE = os.environ.get("TANDEM_TEST_BASE_IMAGE", "localhost/tandem-base:bookworm-py3.11-v2")
-# Free bytes podman's store needs: the GPU image from scratch at its peak, or the controller's.
-MIN_FREE_BYTES = {"executor-gpu": 20 * 2**30, "controller": 3 * 2**30}
+# Free bytes podman's store needs to build an image from scratch, at its peak: the executor
+# image's with PyPI's (CUDA) torch, with a CPU torch, the controller's.
+MIN_FREE_BYTES = {"executor-gpu": 20 * 2**30, "executor-cpu": 6 * 2**30, "controller": 3 * 2**30}
+MIN_FREE_BYTES["executor-tpu"] = MIN_FREE_BYTES["executor-gpu"]  # the same torch layer
 TAG = "test"  # tag of the images the tests build: localhost/tandem/<image>:test
 
 
-def podman_usable(images: list[str]) -> str:
-    """Why the image tests cannot build and run `images` here, or "" when they can."""
+def ref(image: str) -> str:
+    """The reference of an image the tests build."""
+    return f"localhost/tandem/{image}:{TAG}"
+
+
+def podman_usable(images: list[str], full: bool = True) -> str:
+    """Why the image tests cannot build and run `images` here, or "" when they can (full: the
+    executor image with PyPI's torch, else with a CPU torch)."""
     if not shutil.which("podman") or not shutil.which("debootstrap"):
         return "podman and debootstrap are not installed (make image-deps)"
     if os.geteuid() != 0:
@@ -36,7 +46,8 @@ def podman_usable(images: list[str]) -> str:
     # needs about twice that while it commits the layer.
     store = "/var/lib/containers/storage"
     free = shutil.disk_usage(store if os.path.exists(store) else "/").free
-    need = max(MIN_FREE_BYTES[image] for image in images)
+    sized = [i if full or i != "executor-gpu" else "executor-cpu" for i in images]
+    need = max(MIN_FREE_BYTES[image] for image in sized)
     if free < need:
         return (
             f"{free / 2**30:.0f} GiB free for podman's store; building {', '.join(images)} "
@@ -57,10 +68,56 @@ def host_pip_args() -> list[str]:
     if cert:
         # The local base holds the host's extra CAs in Debian's bundle, at the usual path.
         args += ["--build-arg", "PIP_CERT=/etc/ssl/certs/ca-certificates.crt"]
-    torch_index = os.environ.get("TANDEM_TEST_TORCH_INDEX_URL")
-    if torch_index:
-        args += ["--build-arg", f"TORCH_INDEX_URL={torch_index}"]
     return args
+
+
+@dataclass
+class CpuTorch:
+    """A CPU build of torch the executor image can take instead of PyPI's CUDA build."""
+
+    requirement: str  # pip requirement, e.g. "torch==2.13.0+cpu"
+    wheels: str = ""  # folder holding its wheel (mounted into the build), or "" for an index
+    index_url: str = ""  # the extra index that serves it (TORCH_INDEX_URL), or ""
+
+    def build_args(self) -> list[str]:
+        """podman build arguments (and build-time volume) that install this torch."""
+        if self.index_url:
+            return ["--build-arg", f"TORCH_INDEX_URL={self.index_url}"]
+        return [
+            *("--build-arg", f"TORCH={self.requirement}"),
+            *("--build-arg", f"PIP_FIND_LINKS={self.wheels}"),
+            *("-v", f"{self.wheels}:{self.wheels}:ro"),
+        ]
+
+
+def find_cpu_torch() -> CpuTorch | None:
+    """A CPU torch for this host's Python (cp311) and machine: TANDEM_TEST_TORCH_INDEX_URL (an
+    index with a CPU torch meeting the pin, e.g. https://download.pytorch.org/whl/cpu), else a
+    torch-*+cpu wheel in a folder pip's find-links name (TANDEM_TEST_WHEELS, PIP_FIND_LINKS or
+    pip's config), newest first; None when there is none."""
+    index = os.environ.get("TANDEM_TEST_TORCH_INDEX_URL")
+    if index:
+        return CpuTorch(requirement="", index_url=index)
+    folders = os.environ.get("TANDEM_TEST_WHEELS", "").split() or _pip_find_links()
+    for folder in folders:
+        wheels = sorted(glob.glob(os.path.join(folder, "torch-*+cpu-cp311-cp311-*x86_64.whl")))
+        if wheels and os.uname().machine == "x86_64":
+            version = os.path.basename(wheels[-1]).split("-")[1]
+            return CpuTorch(requirement=f"torch=={version}", wheels=os.path.abspath(folder))
+    return None
+
+
+def _pip_find_links() -> list[str]:
+    """Local folders in pip's find-links (environment or configuration)."""
+    links = os.environ.get("PIP_FIND_LINKS", "").split()
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True
+    )
+    for line in out.stdout.splitlines():
+        key, _, value = line.partition("=")
+        if key.endswith("find-links"):
+            links += value.strip("'\"").split()
+    return [link for link in dict.fromkeys(links) if os.path.isdir(link)]
 
 
 def build_base(log_path: str) -> float:
@@ -77,19 +134,27 @@ def build_base(log_path: str) -> float:
     return time.monotonic() - start
 
 
-def build(image: str, log_path: str, timeout: float = 1800) -> float:
+def build(image: str, log_path: str, args: list[str] = (), timeout: float = 1800) -> float:
     """`podman build` of docker/<image>.Dockerfile from BASE_IMAGE as localhost/tandem/<image>
-    (cached layers reused); seconds taken."""
-    cmd = ["nice", "-n", "10", "podman", "build", "--isolation", "chroot"]
-    cmd += ["-f", f"docker/{image}.Dockerfile", "-t", f"localhost/tandem/{image}:{TAG}"]
-    cmd += ["--build-arg", f"BASE_IMAGE={BASE_IMAGE}", *host_pip_args(), "."]
+    (cached layers reused), with extra build arguments; seconds taken.
+
+    The build stage is tagged too (<image>:test-build): untagged, it is a dangling image that
+    `podman image prune` removes with its whole layer chain, torch's included, and the next
+    build would start from scratch."""
+    base = ["nice", "-n", "10", "podman", "build", "--isolation", "chroot"]
+    base += ["-f", f"docker/{image}.Dockerfile"]
+    base += ["--build-arg", f"BASE_IMAGE={BASE_IMAGE}", *host_pip_args(), *args]
     start = time.monotonic()
     with open(log_path, "a") as log:
-        log.write(f"$ {' '.join(cmd)}\n")
-        log.flush()
-        subprocess.run(
-            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=timeout
-        )
+        for tags in (["--target", "build", "-t", f"{ref(image)}-build"], ["-t", ref(image)]):
+            cmd = [*base, *tags, "."]
+            log.write(f"$ {' '.join(cmd)}\n")
+            log.flush()
+            subprocess.run(
+                cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=timeout
+            )
+    # The layers this build replaced: never left to fill the store.
+    subprocess.run(["podman", "image", "prune", "-f"], capture_output=True, check=False)
     return time.monotonic() - start
 
 
@@ -107,7 +172,7 @@ class ImageConfig:
 
 def inspect(image: str) -> ImageConfig:
     out = subprocess.run(
-        ["podman", "image", "inspect", f"localhost/tandem/{image}:{TAG}"],
+        ["podman", "image", "inspect", ref(image)],
         capture_output=True,
         text=True,
         check=True,
@@ -131,7 +196,7 @@ class ChrootContainer:
     def __init__(self, image: str, model_dir: str):
         self.image = image
         self.config = inspect(image)
-        self.cid = _podman("create", f"localhost/tandem/{image}:{TAG}")
+        self.cid = _podman("create", ref(image))
         self.root = _podman("mount", self.cid)
         self.mounts: list[str] = []
         self.model = f"/models/{os.path.basename(model_dir.rstrip('/'))}"

@@ -4,19 +4,23 @@ Images are built with podman from a local Debian bookworm base (scripts/build_ba
 registry is reachable here), then run as their configs say (image_runner.py: entrypoint, user,
 working directory, environment; under chroot since containers cannot start here).
 
-By default (`make test`) the controller image is built and serves a greedy completion, in front
-of an executor from the source tree, that must equal the source tree's own. With
-TANDEM_IMAGE_TESTS=all the GPU executor image is built too and serves that completion behind
-the built controller (torch on the CPU: no GPU here). It is left out of the default run because
-PyPI's torch is the CUDA build: the image holds 7.6 GB and takes ~30 minutes to build cold on
-two cores, more than the suite's budget. What this cannot prove without a GPU: CUDA itself, and
-Triton compiling a kernel (the full run checks that the compiler and headers Triton's launcher
-build needs are in the image, and that they compile and link a Python extension). The TPU image
-is not built here; `make images` builds it.
+By default (`make test`) the controller image and the executor image are built, and the
+executor image serves, behind the controller image, a greedy completion that must equal the
+source tree's own. The executor image is docker/executor-gpu.Dockerfile with a CPU build of
+torch (TORCH=torch==X+cpu from a wheel that pip's find-links hold on this host, or
+TANDEM_TEST_TORCH_INDEX_URL): the GPU image's runtime stage, without CUDA's ~6 GB.
+Without a CPU torch the executor runs from the source tree. With TANDEM_IMAGE_TESTS=all the
+executor image is built with PyPI's torch, as users pull it (the CUDA build: 7.6 GB, ~30
+minutes cold on two cores, more than the suite's budget), and the TPU image too (the same torch
+layer, then torch_xla and libtpu), whose executor must pass warm-up on XLA:CPU behind the built
+controller. What this cannot prove without a GPU: CUDA itself, and Triton compiling a kernel
+(checked instead: the image compiles and loads a Python extension with the compiler and headers
+Triton's launcher build uses).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -33,30 +37,41 @@ from tests.support.processes import (
     tail_logs,
 )
 
-pytestmark = pytest.mark.slow
+FULL = os.environ.get("TANDEM_IMAGE_TESTS", "") == "all"
+# The first test carries the builds (its fixtures): ~10 minutes cold on two loaded cores by
+# default, ~35 with the CUDA images; pytest's 600 s per test is for one test's own work.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400 if FULL else 1800)]
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 12
-# The images built: the controller's always; the GPU executor's with TANDEM_IMAGE_TESTS=all.
-FULL = os.environ.get("TANDEM_IMAGE_TESTS", "") == "all"
-IMAGES = ["controller", "executor-gpu"] if FULL else ["controller"]
+# The executor image's torch: PyPI's (FULL), else a CPU build found here (None: not built).
+CPU_TORCH = None if FULL else image_runner.find_cpu_torch()
+EXECUTOR_IMAGE = FULL or CPU_TORCH is not None
+# The images built, with their extra build arguments.
+BUILDS = {"controller": []}
+if EXECUTOR_IMAGE:
+    BUILDS["executor-gpu"] = CPU_TORCH.build_args() if CPU_TORCH else []
+if FULL:  # PyPI's torch 2.9.0 (what torch_xla needs): the layer the GPU image's build made
+    BUILDS["executor-tpu"] = []
 needs_executor_image = pytest.mark.skipif(
-    not FULL, reason="the GPU executor image is built with TANDEM_IMAGE_TESTS=all"
+    not EXECUTOR_IMAGE,
+    reason="no CPU torch wheel here (pip's find-links, TANDEM_TEST_WHEELS or "
+    "TANDEM_TEST_TORCH_INDEX_URL); TANDEM_IMAGE_TESTS=all builds the CUDA one",
 )
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """The base and IMAGES (podman's layer cache makes repeats fast); the seconds each build
+    """The base and BUILDS (podman's layer cache makes repeats fast); the seconds each build
     took, printed for the report."""
-    why = image_runner.podman_usable(IMAGES)
+    why = image_runner.podman_usable(list(BUILDS), full=FULL)
     if why:
         pytest.skip(why)
     log = str(tmp_path_factory.mktemp("images") / "build.log")
     times = {"base": image_runner.build_base(log)}
-    for image in IMAGES:
+    for image, args in BUILDS.items():
         try:
-            times[image] = image_runner.build(image, log)
+            times[image] = image_runner.build(image, log, args)
         except subprocess.CalledProcessError:
             with open(log) as f:
                 pytest.fail(f"building {image} failed:\n{f.read()[-6000:]}")
@@ -65,32 +80,40 @@ def built(tmp_path_factory):
 
 
 def _start_executor(logs: str, grpc_port: int):
-    """The executor: from its built image (FULL), else from the source tree; (process, its
-    ChrootContainer or None)."""
+    """The executor: from its built image (EXECUTOR_IMAGE), else from the source tree;
+    (process, its ChrootContainer or None)."""
     args = ["--host", "127.0.0.1", "--port", str(grpc_port), "--kv-cache-bytes", str(256 * 2**20)]
-    if not FULL:
+    if not EXECUTOR_IMAGE:
         proc, _ = spawn_executor("executor_gpu", model_dir(), logs, "executor", port=grpc_port)
         return proc, None
     executor = image_runner.ChrootContainer("executor-gpu", model_dir())
     proc = executor.run(
         ["--model", executor.model, *args],
         os.path.join(logs, "executor.log"),
-        env={"TANDEM_CPU_KERNELS": "0"},  # the C++ kernels' build: not this test's cost
+        env={"TANDEM_CPU_KERNELS": "0"},  # the source tree's reference runs the torch path too
     )
     return proc, executor
 
 
 @pytest.fixture(scope="module")
 def image_server(built, tmp_path_factory):
-    """The built controller (and executor, FULL) running; (URL, executor container or None,
-    controller container)."""
+    """The built controller (and executor, EXECUTOR_IMAGE) running; (URL, executor container
+    or None, controller container)."""
     logs = str(tmp_path_factory.mktemp("image-run"))
+    with _serving(logs, _start_executor) as (url, executor, controller):
+        yield url, executor, controller
+
+
+@contextlib.contextmanager
+def _serving(logs: str, start_executor):
+    """The built controller in front of start_executor(logs, grpc_port)'s executor, healthy;
+    (URL, executor container or None, controller container); everything stopped after."""
     controller = image_runner.ChrootContainer("controller", model_dir())
     executor = None
     procs = []
     try:
         grpc_port, http_port = free_port(), free_port()
-        proc, executor = _start_executor(logs, grpc_port)
+        proc, executor = start_executor(logs, grpc_port)
         procs.append(proc)
         procs.append(
             controller.run(
@@ -100,7 +123,7 @@ def image_server(built, tmp_path_factory):
             )
         )
         url = f"http://127.0.0.1:{http_port}"
-        _wait_healthy(url, procs, logs, timeout=600)
+        _wait_healthy(url, procs, logs, timeout=900)
         yield url, executor, controller
     finally:
         for p in procs:
@@ -168,18 +191,12 @@ def test_images_run_as_their_configs_say(image_server):
 
 
 @needs_executor_image
-def test_gpu_image_compiles_what_triton_needs(image_server, tmp_path):
+def test_gpu_image_compiles_what_triton_needs(image_server):
     """Triton builds its CUDA launcher as a Python extension with the system C compiler at the
     first kernel launch: the image compiles and loads one the same way (gcc, libc and Python
-    headers), as the image's user."""
+    headers), as the image's user. The runtime stage is the same whichever torch the image has."""
     _, executor, _ = image_server
-    src = executor.root + "/tmp/probe.c"
-    with open(src, "w") as f:
-        f.write(
-            "#include <Python.h>\n"
-            'static struct PyModuleDef m = {PyModuleDef_HEAD_INIT, "probe", NULL, -1, NULL};\n'
-            "PyMODINIT_FUNC PyInit_probe(void) { return PyModule_Create(&m); }\n"
-        )
+    _write(executor, "/tmp/probe.c", PYTHON_EXTENSION)
     script = (
         "import sysconfig, subprocess;"
         "inc = sysconfig.get_paths()['include'];"
@@ -187,12 +204,79 @@ def test_gpu_image_compiles_what_triton_needs(image_server, tmp_path):
         " '-o', '/tmp/probe' + sysconfig.get_config_var('EXT_SUFFIX')], check=True);"
         "import sys; sys.path.insert(0, '/tmp'); import probe; print('ok', probe.__name__)"
     )
-    cmd = ["chroot", f"--userspec={executor.config.user}", executor.root]
-    cmd += ["/usr/bin/env", "-i", "-C", "/tmp"]  # env's options come before the variables
-    cmd += [f"{k}={v}" for k, v in executor.config.env.items()]
-    cmd += ["python", "-c", script]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = _run_as_image_user(executor, ["python", "-c", script])
     assert out.returncode == 0 and "ok probe" in out.stdout, out.stderr
+
+
+PYTHON_EXTENSION = (
+    "#include <Python.h>\n"
+    'static struct PyModuleDef m = {PyModuleDef_HEAD_INIT, "probe", NULL, -1, NULL};\n'
+    "PyMODINIT_FUNC PyInit_probe(void) { return PyModule_Create(&m); }\n"
+)
+# What executor_gpu/cpu's build compiles with (OpenMP, this CPU's instructions), in C++.
+OPENMP_CXX = (
+    "#include <omp.h>\n#include <vector>\n"
+    'extern "C" int probe() { std::vector<int> v(64, 1); int s = 0;\n'
+    "#pragma omp parallel for reduction(+:s)\n"
+    "for (int i = 0; i < 64; ++i) s += v[i]; return s; }\n"
+)
+
+
+@needs_executor_image
+def test_executor_image_has_what_the_cpu_kernels_build_needs(image_server):
+    """On a CPU node the executor compiles its C++ kernels at first use, for that node's CPU
+    (-march=native: never at build time), with torch's extension tooling: g++ with OpenMP, the
+    venv's ninja and torch's C++ headers, as the image's user. Compiling the kernels themselves
+    takes ~6 minutes here (measured once: they build and load in the image), so this checks the
+    toolchain with a small C++ OpenMP library built with the kernels' flags."""
+    _, executor, _ = image_server
+    _write(executor, "/tmp/probe.cpp", OPENMP_CXX)
+    site = "/opt/venv/lib/python3.11/site-packages"
+    assert _exists(executor, f"{site}/torch/include/torch/extension.h")
+    script = (
+        "import ctypes, subprocess;"
+        "from executor_gpu.cpu import kernels;"
+        "flags = kernels._CFLAGS + kernels._LDFLAGS;"
+        "subprocess.run(['c++', '-shared', '-fPIC', *flags, '/tmp/probe.cpp', '-o',"
+        " '/tmp/probe.so'], check=True);"
+        "subprocess.run(['ninja', '--version'], check=True, capture_output=True);"
+        "print('ok', ctypes.CDLL('/tmp/probe.so').probe())"
+    )
+    out = _run_as_image_user(executor, ["python", "-c", script])
+    assert out.returncode == 0 and "ok 64" in out.stdout, out.stderr
+
+
+def _write(c: image_runner.ChrootContainer, path: str, text: str) -> None:
+    with open(c.root + path, "w") as f:
+        f.write(text)
+
+
+def _run_as_image_user(c: image_runner.ChrootContainer, argv: list[str]):
+    """argv under chroot as the image's user, in /tmp, with exactly the image's environment."""
+    cmd = ["chroot", f"--userspec={c.config.user}", c.root]
+    cmd += ["/usr/bin/env", "-i", "-C", "/tmp"]  # env's options come before the variables
+    cmd += [f"{k}={v}" for k, v in c.config.env.items()]
+    return subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(not FULL, reason="the TPU image is built with TANDEM_IMAGE_TESTS=all")
+def test_tpu_image_warms_up_on_xla_cpu(built, tmp_path):
+    """The TPU image's executor on XLA:CPU (PJRT_DEVICE=CPU: no TPU here) behind the built
+    controller: it passes warm-up (the controller's cache set-up compiles its graphs) and
+    serves a completion."""
+
+    def start(logs: str, grpc_port: int):
+        executor = image_runner.ChrootContainer("executor-tpu", model_dir())
+        args = ["--model", executor.model, "--host", "127.0.0.1", "--port", str(grpc_port)]
+        args += ["--kv-cache-bytes", str(256 * 2**20)]
+        log = os.path.join(logs, "executor.log")
+        return executor.run(args, log, env={"PJRT_DEVICE": "CPU"}), executor
+
+    with _serving(str(tmp_path), start) as (url, executor, controller):
+        assert executor.config.env["PJRT_DEVICE"] == "TPU"  # the image's own; CPU passed here
+        assert _complete(url, os.path.basename(controller.model))
+    with open(tmp_path / "executor.log") as f:
+        assert "warm-up" in f.read()
 
 
 def test_image_sizes_are_reported(image_server):
@@ -201,13 +285,16 @@ def test_image_sizes_are_reported(image_server):
     _, executor, controller = image_server
     venv = "/opt/venv/lib/python3.11/site-packages"
     for c in [c for c in (controller, executor) if c is not None]:
-        parts = {p: c.du(f"{venv}/{p}") for p in ("torch", "nvidia", "triton", "llguidance")}
-        parts.update({"/usr": c.du("/usr"), "/opt/venv": c.du("/opt/venv")})
+        names = ("torch", "nvidia", "triton", "sympy", "llguidance")
+        parts = {p: c.du(f"{venv}/{p}") for p in names}
+        parts.update({p: c.du(p) for p in ("/usr", "/usr/lib/gcc", "/opt/venv")})
         print(
             f"\n{c.image}: {c.config.size / 2**20:.0f} MiB;",
             {k: f"{v / 2**20:.0f} MiB" for k, v in parts.items()},
         )
     assert controller.config.size < 600 * 2**20
+    if CPU_TORCH is not None:  # a CPU torch brings none of CUDA's libraries
+        assert not _exists(executor, f"{venv}/nvidia") and executor.config.size < 2.5 * 2**30
 
 
 def _exists(c: image_runner.ChrootContainer, path: str) -> bool:

@@ -224,10 +224,18 @@ def test_installs_exactly_its_extra(image):
     stages = dockerfile(image)
     reqs = pip_requirements(stages)
     local = [r for r in reqs if r.startswith(".")]
-    assert local == [f".[{extra}]"], f"{image}: installs {local}"
     assert extra in PYPROJECT["project"]["optional-dependencies"]
     build = stages[0]
-    runs = " ".join(build.all("RUN"))
+    runs = " ".join(" ".join(build.all("RUN")).split())  # continuation lines joined
+    if local != [f".[{extra}]"]:
+        # The executor images: the extra's requirements printed from pyproject.toml (torch's
+        # alone first, its own layer), then the project without its pins.
+        assert local == ["."] and "pip install --no-deps ." in runs, f"{image}: installs {local}"
+        printed = f'python pyproject_requirements.py {extra} --torch "$TORCH"'
+        torch = 'python pyproject_requirements.py --only-torch --torch "$TORCH" >torch.txt'
+        assert torch in runs
+        assert f"{printed} >requirements.txt && pip install -r requirements.txt" in runs
+        assert "pip check" in runs  # what the project needs is all there
     # The gRPC stubs are generated in the build, as `make proto` does, then the tool leaves.
     assert "grpc_tools.protoc -Icommon/wire/pb=proto" in runs and "proto/executor.proto" in runs
     assert "pip uninstall -y grpcio-tools" in runs
@@ -236,7 +244,7 @@ def test_installs_exactly_its_extra(image):
     wanted = {"common", module}
     assert copied & PACKAGES == wanted, f"{image}: copies packages {copied & PACKAGES}"
     assert {"pyproject.toml", "proto"} <= copied
-    for src in copied:
+    for src in set(copied) | {p for rest in build.all("COPY") for p in rest.split()[1:-1]}:
         assert (ROOT / src).exists(), src
 
 
@@ -257,8 +265,22 @@ def test_tpu_image_brings_libtpu_with_the_pinned_torch_xla():
     ]
     assert pins == ["torch_xla==2.9.0"]
     assert "torch_xla[tpu]==2.9.0" in reqs  # the [tpu] extra is what installs libtpu
+    # torch_xla's wheel names no torch: the build imports it, so a torch it was not built
+    # against (an undefined symbol) fails the build instead of the pod.
+    runs = " ".join(" ".join(dockerfile("executor-tpu")[0].all("RUN")).split())
+    assert runs.endswith('pip check && python -c "import torch_xla"'), runs
     final = dockerfile("executor-tpu")[-1]
     assert "PJRT_DEVICE=TPU" in " ".join(final.all("ENV"))
+
+
+def test_gpu_and_tpu_images_share_the_torch_layer():
+    """A builder reuses a layer made by the same instruction on the same parent: the executor
+    images' build stages agree up to and including torch's install, so torch (GBs with CUDA) is
+    built and stored once for both."""
+    gpu, tpu = (dockerfile(image)[0] for image in ("executor-gpu", "executor-tpu"))
+    assert gpu.base == tpu.base
+    upto = next(i for i, (ins, rest) in enumerate(gpu.instructions) if "torch.txt" in rest) + 1
+    assert upto > 1 and gpu.instructions[:upto] == tpu.instructions[:upto]
 
 
 def test_gpu_image_asks_for_the_driver():
@@ -293,6 +315,10 @@ def test_build_context_is_only_what_the_image_needs(image):
         f"{module}/__init__.py",
     ):
         assert admitted(path), f"{image}: {path} is left out of the build context"
+    for rest in dockerfile(image)[0].all("COPY"):  # every file the build stage copies
+        for src in rest.split()[:-1]:
+            if (ROOT / src).is_file():
+                assert admitted(src), f"{image}: {src} is copied but left out of the context"
     others = PACKAGES - {"common", module}
     for path in [f"{p}/__init__.py" for p in others] + [
         ".venv/bin/python",
