@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
+from controller.text.byte_level import ByteLevelDetokenizer, byte_level_table
 from controller.text.stream_detokenizer import StreamDetokenizer, stream_decoding_fits
 from controller.text.tokenizer import Tokenizer, clean_up_tokenization
 
@@ -120,9 +121,14 @@ class IncrementalDetokenizer:
 
 def make_detokenizer(
     tokenizer: Tokenizer, skip_special_tokens: bool = True
-) -> IncrementalDetokenizer | StreamDetokenizer:
-    """One request's detokenizer: the Rust stream (controller/text/stream_detokenizer.py)
-    where it returns the same deltas, this module's Python one otherwise."""
+) -> IncrementalDetokenizer | StreamDetokenizer | ByteLevelDetokenizer:
+    """One request's detokenizer, each returning the same deltas: table look-ups for a
+    byte-level BPE tokenizer (controller/text/byte_level.py), else the Rust stream
+    (controller/text/stream_detokenizer.py) where no byte-token runs merge, else this module's
+    Python window."""
+    table = byte_level_table(tokenizer, skip_special_tokens)
+    if table is not None:
+        return ByteLevelDetokenizer(table)
     if stream_decoding_fits(byte_fallback_ids(tokenizer)):
         return StreamDetokenizer(tokenizer, skip_special_tokens, IncrementalDetokenizer)
     return IncrementalDetokenizer(tokenizer, skip_special_tokens)
