@@ -119,6 +119,14 @@ class IncrementalDetokenizer:
             self._prefix, self._prefix_text = start, text
 
 
+def prepare_detokenizers(tokenizer: Tokenizer) -> None:
+    """Build a tokenizer's cached detokenizer tables now (at startup), so that the first
+    request does not wait for them."""
+    for skip in (True, False):
+        byte_level_table(tokenizer, skip)
+    byte_fallback_ids(tokenizer)
+
+
 def make_detokenizer(
     tokenizer: Tokenizer, skip_special_tokens: bool = True
 ) -> IncrementalDetokenizer | StreamDetokenizer | ByteLevelDetokenizer:
