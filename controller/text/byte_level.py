@@ -88,13 +88,16 @@ class ByteLevelDetokenizer:
         """Append new ids and return the text they complete; `finished` flushes held text."""
         self._ids.extend(new_token_ids)
         table, size, utf8 = self._table, len(self._table), self._utf8
+        pieces = [table[i] if 0 <= i < size else b"" for i in new_token_ids]
         text = self._held
-        for i in new_token_ids:
-            piece = table[i] if 0 <= i < size else b""
-            if type(piece) is bytes:
-                text += utf8.decode(piece)
-            else:  # the bytes before an added token are decoded on their own
-                text += utf8.decode(b"", True) + piece
+        if len(pieces) > 1 and all(type(p) is bytes for p in pieces):
+            text += utf8.decode(b"".join(pieces))  # many ids (a whole output at once): one call
+        else:
+            for piece in pieces:
+                if type(piece) is bytes:
+                    text += utf8.decode(piece)
+                else:  # the bytes before an added token are decoded on their own
+                    text += utf8.decode(b"", True) + piece
         if finished:
             self._held = ""
             return text + utf8.decode(b"", True)
