@@ -9,6 +9,12 @@ requests are kept running through `Engine.generate` (what the API handler consum
 executor's own time is measured apart and left out.
 
     python benchmarks/controller_step.py --running 16,64,256,1024 [--profile out.pstats]
+    python benchmarks/controller_step.py --running 64,256 --stream
+
+With `--stream` the requests are streamed /v1/completions responses: each runs the API's SSE
+generator (`controller/api/streaming.py`: detokenizer, chunk templates, the direct write from
+the step loop) over an in-memory connection that takes every chunk and drops it, so the
+figure is the streamed path's Python cost without the socket's system calls.
 
 Per point it reports the controller's CPU per step and per request-step (CPU time of the
 process minus the executor's, over a window of steps), and the steps per second that leaves.
@@ -55,6 +61,41 @@ class StepCost:
     cpu_ms_per_step: float  # controller CPU per step (executor excluded)
     cpu_us_per_request_step: float  # the same per scheduled request
     executor_ms_per_step: float  # the in-process executor's time per step (excluded above)
+
+
+class _NullConnection:
+    """A client connection that always takes a chunk at once and drops it (DirectWrite's
+    interface)."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, body: bytes) -> None:
+        del body
+
+
+class _NoAdmission:
+    """Admission's side of a Ticket: nothing to release."""
+
+    def _release(self, sequences: int, tokens: int) -> None:
+        del sequences, tokens
+
+
+async def stream_one(engine: Engine, gen: GenerationRequest, tokenizer: Tokenizer) -> None:
+    """One streamed /v1/completions response through the API's SSE generator."""
+    from controller.api.admission import Ticket
+    from controller.api.deltas import DeltaQueue
+    from controller.api.formats import CompletionFormatter, Prompt, ResponseMeta
+    from controller.api.streaming import sse_events
+
+    meta = ResponseMeta(f"cmpl-{gen.request_id}", int(time.time()), "bench")
+    fmt = CompletionFormatter(tokenizer, meta, [Prompt(gen.prompt_token_ids, None)], 1, False, None)
+    queue = DeltaQueue()
+    queue.connection = _NullConnection()
+    ticket = Ticket(_NoAdmission(), [len(gen.prompt_token_ids)])
+    events = sse_events(engine, [gen], fmt.stream_chunk, fmt, False, ticket, queue)
+    async for _ in events:
+        pass
 
 
 class InProcessExecutor:
@@ -130,7 +171,13 @@ class InProcessExecutor:
 
 
 async def measure_point(
-    model: str, tokenizer: Tokenizer, running: int, steps: int, input_len: int, output_len: int
+    model: str,
+    tokenizer: Tokenizer,
+    running: int,
+    steps: int,
+    input_len: int,
+    output_len: int,
+    stream: bool = False,
 ) -> StepCost:
     blocks = (running + 8) * ((input_len + output_len) // 16 + 2) + 64
     config = ControllerConfig(
@@ -163,8 +210,11 @@ async def measure_point(
                 SamplingParams(temperature=0.0),
                 max_tokens=output_len,
                 ignore_eos=True,
-                stream=False,
+                stream=stream,
             )
+            if stream:
+                await stream_one(engine, gen, tokenizer)
+                continue
             async for _ in engine.generate(gen):
                 pass
 
@@ -207,6 +257,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--profile", default="", help="write a cProfile of the last point here")
+    p.add_argument("--stream", action="store_true", help="streamed responses (SSE generator)")
     p.add_argument("--json", default="")
     a = p.parse_args()
     model = a.model or model_dir()
@@ -219,7 +270,7 @@ def main() -> None:
         if prof:
             prof.enable()
         r = asyncio.run(
-            measure_point(model, tokenizer, running, a.steps, a.input_len, a.output_len)
+            measure_point(model, tokenizer, running, a.steps, a.input_len, a.output_len, a.stream)
         )
         if prof:
             prof.disable()

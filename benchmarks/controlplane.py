@@ -96,13 +96,22 @@ class PointResult:
     controllers: int = 1  # controllers dividing the executors (CPU figures: their sum)
     load_cpu_util: float = 0.0  # the load generator's CPU seconds per wall second (own process)
     load_us_per_token: float = 0.0  # the load generator's CPU microseconds per generated token
+    # Kernel time's share of the controller's CPU: its socket writes (on loopback the kernel
+    # runs the receiver's TCP path inside the sender's call) and its gRPC calls.
+    controller_sys_share: float = 0.0
+
+
+def cpu_times(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of a process so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(cpu_times(pid))
 
 
 def run_queue_seconds(pid: int) -> float:
@@ -136,6 +145,7 @@ def snapshot(
             if name in totals:
                 totals[name] += value
     totals["cpu"] = sum(cpu_seconds(pid) for pid in controller_pids)
+    totals["sys_cpu"] = sum(cpu_times(pid)[1] for pid in controller_pids)
     totals["runq"] = sum(run_queue_seconds(pid) for pid in controller_pids)
     totals["load_cpu"] = cpu_seconds(load_pid)
     totals["wall"] = time.perf_counter()
@@ -175,6 +185,7 @@ def measure(
         controllers=controllers,
         load_cpu_util=d["load_cpu"] / wall,
         load_us_per_token=1e6 * d["load_cpu"] / tokens,
+        controller_sys_share=d.get("sys_cpu", 0.0) / max(d["cpu"], 1e-9),
     )
 
 
@@ -348,7 +359,8 @@ def format_table(points: list[PointResult]) -> str:
         f"{'ctls':>4} {'execs':>5} {'running':>7} {'mode':>6} {'busy%':>6} {'ideal%':>6} "
         f"{'steps/s':>8} "
         f"{'tok/s':>8} {'batch':>6} {'ctl_cpu%':>8} {'ctl_wait%':>9} {'cpu_ms/step':>11} "
-        f"{'cpu_us/tok':>10} {'B/req/decode':>12} {'load_cpu%':>9} {'load_us/tok':>11}"
+        f"{'cpu_us/tok':>10} {'B/req/decode':>12} {'load_cpu%':>9} {'load_us/tok':>11} "
+        f"{'ctl_sys%':>8}"
     )
     rows = [head]
     for p in points:
@@ -360,7 +372,7 @@ def format_table(points: list[PointResult]) -> str:
             f"{100 * p.controller_wait_frac:>9.1f} "
             f"{p.cpu_ms_per_step:>11.3f} {p.cpu_us_per_token:>10.1f} "
             f"{p.bytes_per_request_decode:>12.1f} {100 * p.load_cpu_util:>9.1f} "
-            f"{p.load_us_per_token:>11.1f}"
+            f"{p.load_us_per_token:>11.1f} {100 * p.controller_sys_share:>8.1f}"
         )
     return "\n".join(rows)
 

@@ -125,7 +125,7 @@ def sse_events(
             if not conn.writable():
                 return False
             c = choices[i]
-            line = fmt.stream_bytes(c, d, not c.token_ids and not c.text, include_usage)
+            line = fmt.stream_bytes(c, d, c.empty, include_usage)
             if line is None:
                 return False
             ticket.started(i)
@@ -145,7 +145,7 @@ def sse_events(
                     yield sse_line(prelude)
                 queue.direct = direct
                 async for i, d in deltas:
-                    first = not choices[i].token_ids and not choices[i].text
+                    first = choices[i].empty
                     choices[i].add(d)
                     if d.error:
                         yield sse_line({"error": error_body(APIError(d.error, 500))})

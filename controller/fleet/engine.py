@@ -57,6 +57,7 @@ from controller.observe.fleet_collector import FleetCollector
 from controller.observe.metrics import EngineMetrics
 from controller.observe.report import executor_report
 from controller.settings import ControllerConfig
+from controller.text.detokenizer import prepare_detokenizers
 from controller.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class Engine(Maintenance, Membership):
     def __init__(self, config: ControllerConfig, tokenizer: Tokenizer):
         self.config = config  # controller configuration
         self.tokenizer = tokenizer  # for detokenization
+        prepare_detokenizers(tokenizer)  # its tables, before the first request needs them
         self.metrics = EngineMetrics(config.served_model_name)  # Prometheus metrics
         self.executor_security = make_security(  # TLS and token of every executor channel
             config.executor_tls_ca,

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
+from controller.text.byte_level import ByteLevelDetokenizer, byte_level_table
+from controller.text.stream_detokenizer import StreamDetokenizer, stream_decoding_fits
 from controller.text.tokenizer import Tokenizer, clean_up_tokenization
 
 # Decoded text ending in this character may be an incomplete multi-byte character.
@@ -24,8 +26,10 @@ _REPLACEMENT_CHAR = "\ufffd"
 _MAX_WINDOW_TOKENS = 8
 
 
-def _byte_fallback_ids(tokenizer: Tokenizer) -> frozenset[int]:
-    """Ids of the `<0xNN>` byte tokens when the model's decoder merges runs of them into text."""
+@lru_cache(maxsize=16)
+def byte_fallback_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """Ids of the `<0xNN>` byte tokens when the model's decoder merges runs of them into text.
+    Cached per tokenizer: every request's detokenizer asks, and the answer is the decoder's."""
     decoder = tokenizer.backend.decoder
     description = decoder.__getstate__() if decoder is not None else b""  # its JSON
     if b"ByteFallback" not in description:
@@ -54,7 +58,7 @@ class IncrementalDetokenizer:
         self._read = 0  # tokens whose text has been returned
         self._last_read = 0  # `_read` before the latest advance: a safe new window start
         self._prefix_text = ""  # decode of ids[_prefix:_read], standalone
-        self._byte_ids = _byte_fallback_ids(tokenizer)  # `<0xNN>` ids, if runs of them merge
+        self._byte_ids = byte_fallback_ids(tokenizer)  # `<0xNN>` ids, if runs of them merge
         # Special tokens that decoding drops, and so do not end a run of byte tokens.
         self._invisible = tokenizer.skipped_special_ids if skip_special_tokens else frozenset()
         self._in_byte_run = False  # the last visible token is a byte token (its run may go on)
@@ -63,6 +67,19 @@ class IncrementalDetokenizer:
     def token_ids(self) -> list[int]:
         """The output token ids seen so far."""
         return self._ids
+
+    def seed(self, ids: Sequence[int]) -> None:
+        """Start from output ids whose text has all been returned already (by another
+        detokenizer): the window spans them all once, then slides as usual."""
+        self._ids = list(ids)
+        self._prefix, self._read = 0, len(self._ids)
+        self._last_read = self._read
+        self._prefix_text = self._decode(self._ids, skip_special_tokens=self._skip_special_tokens)
+        for token_id in self._ids:
+            if token_id in self._byte_ids:
+                self._in_byte_run = True
+            elif token_id not in self._invisible:
+                self._in_byte_run = False
 
     def step(self, new_token_ids: Sequence[int], finished: bool = False) -> str:
         """Append new ids and return the text they complete; `finished` flushes held text."""
@@ -100,6 +117,29 @@ class IncrementalDetokenizer:
         )
         if text:
             self._prefix, self._prefix_text = start, text
+
+
+def prepare_detokenizers(tokenizer: Tokenizer) -> None:
+    """Build a tokenizer's cached detokenizer tables now (at startup), so that the first
+    request does not wait for them."""
+    for skip in (True, False):
+        byte_level_table(tokenizer, skip)
+    byte_fallback_ids(tokenizer)
+
+
+def make_detokenizer(
+    tokenizer: Tokenizer, skip_special_tokens: bool = True
+) -> IncrementalDetokenizer | StreamDetokenizer | ByteLevelDetokenizer:
+    """One request's detokenizer, each returning the same deltas: table look-ups for a
+    byte-level BPE tokenizer (controller/text/byte_level.py), else the Rust stream
+    (controller/text/stream_detokenizer.py) where no byte-token runs merge, else this module's
+    Python window."""
+    table = byte_level_table(tokenizer, skip_special_tokens)
+    if table is not None:
+        return ByteLevelDetokenizer(table)
+    if stream_decoding_fits(byte_fallback_ids(tokenizer)):
+        return StreamDetokenizer(tokenizer, skip_special_tokens, IncrementalDetokenizer)
+    return IncrementalDetokenizer(tokenizer, skip_special_tokens)
 
 
 class _SpaceCleanupStream:
@@ -257,7 +297,7 @@ class OutputTextState:
         # incremental decoder's contract).
         self._defer = defer and not any(stop or ())
         self._deferred_ids: list[int] = []  # ids held back while deferring
-        self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)  # ids -> text
+        self._detokenizer = make_detokenizer(tokenizer, skip_special_tokens)  # ids -> text
         # Cleanup of spaces before punctuation, for the (word-piece) models that ask for it.
         self._cleanup = _SpaceCleanupStream() if tokenizer.clean_up_tokenization_spaces else None
         self._stops = StopChecker(stop, include_stop_str_in_output)  # stop strings, hold-back
