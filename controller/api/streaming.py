@@ -20,10 +20,10 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from controller.api.admission import ABORT, Ticket
+from controller.api.choice import Choice
 from controller.api.deltas import DeltaQueue
 from controller.api.direct_write import direct_write_of
 from controller.api.errors import APIError, error_body
-from controller.api.formats import Choice
 from controller.api.stall import ClientStalled, StallBoundedStream, close_guard, guarded
 from controller.core.outputs import GenerationRequest, OutputDelta
 from controller.fleet.engine import Engine, NoExecutorError
