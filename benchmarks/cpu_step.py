@@ -18,8 +18,15 @@ For each batch size B it prefills B requests of ``--context`` tokens, then runs 
 decode steps (one token per request) and reports the median step, tokens/s and each variant's
 speedup over the first (``torch`` in float32 by default).
 
+With ``--kernel-times`` it instead times each kernel of a decode step alone at the model's
+shapes (every layer's call, random weights and a random cache of ``--context`` tokens per
+request, each request's blocks its own), in CPU seconds on one thread, so that a loaded
+machine's other jobs change the figures less than they change wall time; ``--hot`` makes every
+request share its blocks (the cache read from the CPU's caches: the arithmetic alone).
+
     python benchmarks/cpu_step.py --batch-sizes 1,16,64 --json /tmp/cpu_step.json
     python benchmarks/cpu_step.py --variants packed --dtype float32,bfloat16
+    python benchmarks/cpu_step.py --kernel-times --dtype float32,bfloat16 --batch-sizes 16,64
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from common.host.settings import ExecutorConfig  # noqa: E402
-from common.wire.model_config import load_model_geometry  # noqa: E402
+from common.wire.model_config import load_model_geometry, read_model_config  # noqa: E402
 from common.wire.step_types import (  # noqa: E402
     CachedRequestData,
     NewRequestData,
@@ -100,6 +107,87 @@ def decode(runner: GPUModelRunner, batch: int, context: int, step: int) -> float
     return time.perf_counter() - started
 
 
+def cpu_ms(fn, repeats: int = 7) -> float:
+    """Median CPU milliseconds of ``fn()`` in this process."""
+    times = []
+    for _ in range(repeats):
+        started = time.process_time()
+        fn()
+        times.append(time.process_time() - started)
+    return statistics.median(times) * 1e3
+
+
+def kernel_times(model: str, batch: int, context: int, dtype: torch.dtype, hot: bool) -> dict:
+    """CPU ms per decode step of each kernel class (every layer's call) at ``model``'s shapes."""
+    from executor_gpu.cpu.kernels import bf16_dot_enabled, load_kernels
+
+    m = load_kernels()
+    cfg = read_model_config(model)
+    hidden, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    dim = cfg.get("head_dim") or hidden // heads
+    dot = dtype == torch.bfloat16 and bf16_dot_enabled(m)
+
+    def weight(i: int, o: int) -> torch.Tensor:
+        return m.pack_linear_weight((torch.randn(i, o) * 0.02).to(dtype), dot)
+
+    shapes = {
+        "qkv": (hidden, (heads + 2 * kv_heads) * dim),
+        "o": (heads * dim, hidden),
+        "gate_up": (hidden, 2 * inter),
+        "down": (inter, hidden),
+    }
+    bs, nb = 16, -(-context // 16)
+    blocks = 1 + (nb if hot else batch * nb)
+    table = torch.arange(1, 1 + batch * nb).view(batch, nb)
+    tables = (torch.arange(1, 1 + nb).repeat(batch, 1) if hot else table).int()
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    starts = torch.arange(batch + 1, dtype=torch.int32)
+    caches = [torch.randn(2, blocks, bs, kv_heads, dim).to(dtype) for _ in range(layers)]
+    q = torch.randn(batch, heads, dim).to(dtype)
+    scale = dim**-0.5
+    times = {
+        "attention": cpu_ms(
+            lambda: [
+                m.paged_attention(q, None, None, None, c, tables, lens, starts, scale, dot)
+                for c in caches
+            ]
+        )
+    }
+    for name, (i, o) in shapes.items():
+        ws, rows = [weight(i, o) for _ in range(layers)], torch.randn(batch, i).to(dtype)
+        times[name] = cpu_ms(lambda ws=ws, rows=rows: [m.packed_linear(rows, w, None) for w in ws])
+    gate_up = torch.randn(batch, 2 * inter).to(dtype)
+    times["silu_and_mul"] = cpu_ms(lambda: [m.silu_and_mul(gate_up) for _ in range(layers)])
+    x, res, norm = (
+        torch.randn(batch, hidden).to(dtype),
+        torch.randn(batch, hidden).to(dtype),
+        torch.ones(hidden, dtype=dtype),
+    )
+    times["add_rms_norm"] = cpu_ms(
+        lambda: [m.add_rms_norm_(x, res, norm, 1e-5) for _ in range(2 * layers)]
+    )
+    embedding = weight(hidden, cfg["vocab_size"])
+    times["logits"] = cpu_ms(lambda: m.packed_linear(x, embedding, None).float())
+    return times
+
+
+def run_kernel_times(a: argparse.Namespace, sizes: list[int], dtypes: list[str]) -> None:
+    """--kernel-times: one thread, each dtype and batch size, a row of CPU ms per kernel."""
+    torch.set_num_threads(1)
+    results = []
+    for d in dtypes:
+        for batch in sizes:
+            t = kernel_times(a.model, batch, a.context, getattr(torch, d), a.hot)
+            results.append({"dtype": d, "batch": batch, "context": a.context, "cpu_ms": t})
+            cells = " ".join(f"{k} {v:.1f}" for k, v in t.items())
+            print(f"{d:>9} batch {batch:>3}: total {sum(t.values()):6.1f} ms | {cells}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"kernel_times": results, "hot": a.hot}, f, indent=1)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=model_dir())
@@ -110,10 +198,15 @@ def main(argv=None) -> None:
     p.add_argument(
         "--dtype", default="float32", help="dtypes to run each variant in, e.g. float32,bfloat16"
     )
+    p.add_argument("--kernel-times", action="store_true", help="CPU ms per kernel, one thread")
+    p.add_argument("--hot", action="store_true", help="--kernel-times: requests share blocks")
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     sizes = [int(b) for b in a.batch_sizes.split(",")]
     dtypes = a.dtype.split(",")
+    if a.kernel_times:
+        with torch.inference_mode():
+            return run_kernel_times(a, sizes, dtypes)
     blocks_each = -(-(a.context + a.steps + 1) // 16)
     num_blocks = 1 + max(sizes) * blocks_each
     runners = {

@@ -20,7 +20,7 @@ from common.torch.attention import (
     register_attention_backend,
     torch_paged_attention,
 )
-from executor_gpu.cpu.kernels import load_kernels
+from executor_gpu.cpu.kernels import bf16_dot_enabled, load_kernels
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ BACKEND_NAME = "cpu_paged"
 def paged_attention_of(module):
     """The attention backend over the built kernels (bound once: no lookup per layer call)."""
     kernel, supports = module.paged_attention, module.paged_attention_supports
+    bf16_dot = bf16_dot_enabled(module)  # a bf16 cache's scores on AVX-512 bf16 dot products
     logged = False  # whether the torch route of windowed / soft-capped layers was logged
 
     def backend(
@@ -65,6 +66,7 @@ def paged_attention_of(module):
             meta.seq_lens,
             meta.query_start_loc,
             scale,
+            bf16_dot,
         )
 
     return backend

@@ -50,7 +50,7 @@ torch::Tensor decoder_stack(torch::Tensor x, const std::vector<torch::Tensor>& l
     torch::Tensor attn = paged_attention(
         qkv.slice(1, 0, num_heads), qkv.slice(1, num_heads, rotated),
         qkv.slice(1, rotated, rotated + num_kv_heads), slots, w[kKvCache], block_tables,
-        seq_lens, query_start_loc, scale);
+        seq_lens, query_start_loc, scale, /*bf16_dot=*/w[kQkv].dim() == 4);
     torch::Tensor o = packed_linear(attn.view({tokens, num_heads * dim}), w[kOut],
                                     bias_of(w[kOutBias]));
     h = add_rms_norm_(o, residual, w[kPostNorm], eps);

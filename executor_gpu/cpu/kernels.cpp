@@ -7,7 +7,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "optionally storing their keys and values first",
         pybind11::arg("query"), pybind11::arg("new_key"), pybind11::arg("new_value"),
         pybind11::arg("slots"), pybind11::arg("kv_cache"), pybind11::arg("block_tables"),
-        pybind11::arg("seq_lens"), pybind11::arg("query_start_loc"), pybind11::arg("scale"));
+        pybind11::arg("seq_lens"), pybind11::arg("query_start_loc"), pybind11::arg("scale"),
+        pybind11::arg("bf16_dot") = false);
   m.def("paged_attention_supports", &tandem::paged_attention_supports,
         "Whether paged_attention takes heads of this size");
   m.def("pack_linear_weight", &tandem::pack_linear_weight,

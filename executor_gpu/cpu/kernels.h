@@ -121,12 +121,13 @@ inline float exp_approx(float x) {
 // query_start_loc[r + 1] - 1, the last of its seq_lens[r] tokens) read in place from the paged
 // KV cache; with new_key / new_value / slots ([T, KVH, D], [T]) given, the step's keys and
 // values are stored first (paged_attention.cpp). Head sizes: paged_attention_supports.
+// bf16_dot: a bf16 cache's scores from the AVX-512 bf16 dot products where the CPU has them.
 bool paged_attention_supports(int64_t head_size);
 torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> new_key,
                               std::optional<torch::Tensor> new_value,
                               std::optional<torch::Tensor> slots, torch::Tensor kv_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
-                              torch::Tensor query_start_loc, double scale);
+                              torch::Tensor query_start_loc, double scale, bool bf16_dot);
 
 // Linear layers over weights packed into column panels (packed_linear.cpp):
 // pack_linear_weight([in, out]) -> [out / kPanel, in, kPanel], or with pairs (bf16 only, for

@@ -1,7 +1,9 @@
 // Causal attention straight from the paged KV cache on the CPU (float32 or bfloat16), for every
 // request of a step: decodes (one query token) and prefill chunks (several, after any cached
-// tokens). A bf16 cache is read as bf16 (half the bytes of a float32 one) and widened to
-// float32 in registers; the arithmetic is float32 and the output is rounded to bf16 once.
+// tokens). A bf16 cache is read as bf16 (half the bytes of a float32 one), 32 values per load
+// (attention_inner.h: the scores on AVX-512 bf16 dot products where the CPU has them and
+// bf16_dot asks, the values split into even and odd float32 vectors); the arithmetic is float32
+// and the output is rounded to bf16 once.
 //
 // The torch reference gathers every request's blocks into a padded copy, then runs SDPA over it
 // (at batch 64 that copy moves as many bytes per step as the weights; SDPA over one short
@@ -13,6 +15,7 @@
 // head in float32 with the maximum subtracted (as SDPA does), then the values weighted into
 // the accumulators. Given the step's new keys and values, they are stored first (one pass over
 // the tokens), which saves a separate scatter.
+#include "attention_inner.h"
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -28,10 +31,7 @@ namespace {
 constexpr int kMaxHeadVecs = 8;          // head sizes of 16..128 floats (whole vectors)
 constexpr int kRegisterVecs = 16;        // vectors of queries / accumulators held per pass
 constexpr int kMaxPassHeads = 4;         // query heads attended together in one pass
-constexpr int64_t kPrefetchTokens = 32;  // how far ahead the key loop asks for the next keys
 constexpr int64_t kQueryRun = 16;        // query tokens of one prefill per task
-
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // [N, heads, d] rows (any row stride, contiguous heads): the form the kernel reads.
 void check_heads(const torch::Tensor& t, const char* name) {
@@ -48,65 +48,32 @@ struct Scratch {
   std::vector<Vec> parts;       // [kMaxPassHeads, kLanes] partial dot products
   std::vector<const T*> keys;   // [padded length] each token's key row
   int64_t stride;                  // padded length: scores row stride
+  int64_t value_offset;            // elements from a token's key row to its value row
 
-  explicit Scratch(int64_t max_len) : stride((max_len + kLanes - 1) / kLanes * kLanes) {
+  Scratch(int64_t max_len, int64_t value_offset)
+      : stride((max_len + kLanes - 1) / kLanes * kLanes), value_offset(value_offset) {
     scores.resize(kMaxPassHeads * stride);
     parts.resize(kMaxPassHeads * kLanes);
     keys.resize(stride);
   }
 };
 
-// Lane i of the result is the sum of the lanes of p[kBitReversed[i]]: a transposing tree of
-// shuffles and adds (30 shuffles and 15 adds for 16 sums instead of 16 separate reductions).
-constexpr int kBitReversed[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-
-inline Vec sum_lanes(const Vec* p) {
-  Vec a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)
-    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
-                                   19, 20, 21, 22, 23) +
-           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
-                                   26, 27, 28, 29, 30, 31);
-  for (int i = 0; i < 4; ++i)
-    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10,
-                                   11, 24, 25, 26, 27) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13,
-                                   14, 15, 28, 29, 30, 31);
-  for (int i = 0; i < 2; ++i)
-    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24,
-                                   25, 12, 13, 28, 29) +
-           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11,
-                                   26, 27, 14, 15, 30, 31);
-  return __builtin_shufflevector(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28,
-                                 14, 30) +
-         __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
-                                 15, 31);
-}
-
-// One query token's attention for kHeads heads of kVecs vectors that share a KV head, over the
-// keys listed in `keys` (values at value_offset past each): q and out hold the heads' rows.
+// The scores of one query token's kHeads heads (kVecs vectors each, sharing a KV head) against
+// the keys listed in `keys`, scaled, into s.scores (row h: head h; lanes past the last key -inf).
 template <class T, int kVecs, int kHeads>
-#ifdef __AVX512F__
-__attribute__((target("prefer-vector-width=512")))
-#endif
-void attend_heads(const T* q, const T* const* keys, int64_t value_offset, int64_t len,
-                  float scale, Scratch<T>& s, T* out) {
+PREFER_512 void score_keys(const T* q, const T* const* keys, int64_t len, float scale,
+                           Scratch<T>& s) {
   constexpr int64_t dim = kVecs * kLanes;
-  const int64_t stride = s.stride;
   Vec* parts = s.parts.data();
-  float* scores = s.scores.data();
   Vec qv[kHeads][kVecs];
   for (int h = 0; h < kHeads; ++h)
     for (int v = 0; v < kVecs; ++v) qv[h][v] = load_vec(q + h * dim + v * kLanes);
-
-  // Scores, 16 keys at a time; lanes past the last key are -inf (weight 0).
+  // 16 keys at a time: their dot products summed across lanes together.
   for (int64_t t0 = 0; t0 < len; t0 += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, len - t0);
     for (int64_t j = 0; j < n; ++j) {
       const T* kp = keys[t0 + j];
-      if (t0 + j + kPrefetchTokens < len)  // the keys ahead, and the values read next
-        for (int v = 0; v < kVecs; ++v) __builtin_prefetch(keys[t0 + j + kPrefetchTokens] + v * kLanes);
-      for (int v = 0; v < kVecs; ++v) __builtin_prefetch(kp + value_offset + v * kLanes);
+      prefetch_key_and_value<kVecs>(keys, t0 + j, len, s.value_offset);
       Vec k[kVecs];
       for (int v = 0; v < kVecs; ++v) k[v] = load_vec(kp + v * kLanes);
       for (int h = 0; h < kHeads; ++h) {
@@ -115,20 +82,17 @@ void attend_heads(const T* q, const T* const* keys, int64_t value_offset, int64_
         parts[h * kLanes + kBitReversed[j]] = dot;
       }
     }
-    for (int64_t j = n; j < kLanes; ++j)
-      for (int h = 0; h < kHeads; ++h) parts[h * kLanes + kBitReversed[j]] = Vec{};
-    for (int h = 0; h < kHeads; ++h) {
-      Vec sums = sum_lanes(parts + h * kLanes) * scale;
-      for (int64_t j = n; j < kLanes; ++j) sums[j] = kNegInf;
-      *reinterpret_cast<UVec*>(scores + h * stride + t0) = sums;
-    }
+    store_scores<kHeads>(parts, n, scale, s.scores.data() + t0, s.stride);
   }
+}
 
-  // Softmax numerators in place; their sums divide the output at the end.
+// Softmax numerators of the scores' rows in place (float32, the maximum subtracted, as SDPA
+// does); inv_total[h] is 1 / the sum of row h, which divides the output at the end.
+template <class T, int kHeads>
+PREFER_512 void softmax_rows(Scratch<T>& s, int64_t len, float* inv_total) {
   const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
-  float inv_total[kHeads];
   for (int h = 0; h < kHeads; ++h) {
-    float* row = scores + h * stride;
+    float* row = s.scores.data() + h * s.stride;
     Vec top = *reinterpret_cast<const UVec*>(row);
     for (int64_t t = kLanes; t < padded; t += kLanes) {
       const Vec x = *reinterpret_cast<const UVec*>(row + t);
@@ -144,14 +108,23 @@ void attend_heads(const T* q, const T* const* keys, int64_t value_offset, int64_
     }
     inv_total[h] = 1.f / total;
   }
+}
 
+// out (the kHeads heads' rows) = the values weighted by the numerators, over their sums.
+template <class T, int kVecs, int kHeads>
+PREFER_512 void weigh_values(const T* const* keys, int64_t len, const Scratch<T>& s,
+                             const float* inv_total, T* out) {
+  if constexpr (std::is_same_v<T, Bf16> && kVecs % 2 == 0)
+    return weigh_values_bf16<kVecs, kHeads>(keys, s.value_offset, len, s.scores.data(),
+                                            s.stride, inv_total, out);
+  constexpr int64_t dim = kVecs * kLanes;
   Vec acc[kHeads][kVecs] = {};
   for (int64_t t = 0; t < len; ++t) {
-    const T* vp = keys[t] + value_offset;
+    const T* vp = keys[t] + s.value_offset;
     Vec val[kVecs];
     for (int v = 0; v < kVecs; ++v) val[v] = load_vec(vp + v * kLanes);
     for (int h = 0; h < kHeads; ++h) {
-      const float p = scores[h * stride + t];
+      const float p = s.scores[h * s.stride + t];
       for (int v = 0; v < kVecs; ++v) acc[h][v] += p * val[v];
     }
   }
@@ -160,39 +133,58 @@ void attend_heads(const T* q, const T* const* keys, int64_t value_offset, int64_
       store_vec(out + h * dim + v * kLanes, acc[h][v] * inv_total[h]);
 }
 
+// One query token's attention for kHeads heads of kVecs vectors that share a KV head, over the
+// keys listed in `keys` (values s.value_offset past each): q and out hold the heads' rows. kDot
+// (bf16, an even kVecs): the scores from AVX-512 bf16 dot products (attention_bf16.h).
+template <class T, int kVecs, int kHeads, bool kDot>
+void attend_heads(const T* q, const T* const* keys, int64_t len, float scale, Scratch<T>& s,
+                  T* out) {
+  if constexpr (kDot)
+    score_keys_dot<kVecs, kHeads>(q, keys, len, scale, s.value_offset, s.parts.data(),
+                                  s.scores.data(), s.stride);
+  else
+    score_keys<T, kVecs, kHeads>(q, keys, len, scale, s);
+  float inv_total[kHeads];
+  softmax_rows<T, kHeads>(s, len, inv_total);
+  weigh_values<T, kVecs, kHeads>(keys, len, s, inv_total, out);
+}
+
 // attend_heads for n (1..kHeads) heads, n known only at run time.
-template <class T, int kVecs, int kHeads>
-void attend_n_heads(int64_t n, const T* q, const T* const* keys, int64_t value_offset,
-                    int64_t len, float scale, Scratch<T>& s, T* out) {
+template <class T, int kVecs, int kHeads, bool kDot>
+void attend_n_heads(int64_t n, const T* q, const T* const* keys, int64_t len, float scale,
+                    Scratch<T>& s, T* out) {
   if constexpr (kHeads > 1)
     if (n < kHeads)
-      return attend_n_heads<T, kVecs, kHeads - 1>(n, q, keys, value_offset, len, scale, s, out);
-  attend_heads<T, kVecs, kHeads>(q, keys, value_offset, len, scale, s, out);
+      return attend_n_heads<T, kVecs, kHeads - 1, kDot>(n, q, keys, len, scale, s, out);
+  attend_heads<T, kVecs, kHeads, kDot>(q, keys, len, scale, s, out);
 }
 
 // Every query head of `group` sharing one KV head, in passes of as many heads as registers
 // hold (kRegisterVecs / kVecs, at most kMaxPassHeads).
-template <class T, int kVecs>
-void attend_group(const T* q, const T* const* keys, int64_t value_offset, int64_t len,
-                  int64_t group, float scale, Scratch<T>& s, T* out) {
+template <class T, int kVecs, bool kDot>
+void attend_group(const T* q, const T* const* keys, int64_t len, int64_t group, float scale,
+                  Scratch<T>& s, T* out) {
   constexpr int kMax = std::min(kMaxPassHeads, std::max(1, kRegisterVecs / kVecs));
   constexpr int64_t dim = kVecs * kLanes;
   for (int64_t h = 0; h < group; h += kMax)
-    attend_n_heads<T, kVecs, kMax>(std::min<int64_t>(kMax, group - h), q + h * dim, keys,
-                                value_offset, len, scale, s, out + h * dim);
+    attend_n_heads<T, kVecs, kMax, kDot>(std::min<int64_t>(kMax, group - h), q + h * dim, keys,
+                                         len, scale, s, out + h * dim);
 }
 
 template <class T>
-using GroupKernel = void (*)(const T*, const T* const*, int64_t, int64_t, int64_t, float,
-                             Scratch<T>&, T*);
-template <class T, int... kVecs>
+using GroupKernel = void (*)(const T*, const T* const*, int64_t, int64_t, float, Scratch<T>&,
+                             T*);
+// kGroupKernels<T, kDot>[kVecs - 1]: attend_group for heads of kVecs vectors; with kDot, the
+// bf16 dot-product scores where they apply (bf16, an even kVecs).
+template <class T, bool kDot, int... kVecs>
 constexpr std::array<GroupKernel<T>, sizeof...(kVecs)> make_group_kernels(
     std::integer_sequence<int, kVecs...>) {
-  return {attend_group<T, kVecs + 1>...};
+  return {attend_group<T, kVecs + 1,
+                       kDot && std::is_same_v<T, Bf16> && (kVecs + 1) % 2 == 0>...};
 }
-template <class T>
+template <class T, bool kDot>
 constexpr auto kGroupKernels =
-    make_group_kernels<T>(std::make_integer_sequence<int, kMaxHeadVecs>{});
+    make_group_kernels<T, kDot>(std::make_integer_sequence<int, kMaxHeadVecs>{});
 
 // One unit of work: a run of one request's query tokens against a range of KV heads.
 struct Task {
@@ -213,7 +205,7 @@ torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> 
                               std::optional<torch::Tensor> new_value,
                               std::optional<torch::Tensor> slots, torch::Tensor kv_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens,
-                              torch::Tensor query_start_loc, double scale) {
+                              torch::Tensor query_start_loc, double scale, bool bf16_dot) {
   check_heads(query, "query");
   TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type() && kv_cache.is_contiguous(),
               "kv_cache: contiguous, of the query's dtype");
@@ -303,11 +295,13 @@ torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> 
   const int64_t q_stride = query.stride(0);
   T* o = data_of<T>(out);
   const float sc = static_cast<float>(scale);
-  const GroupKernel<T> kernel = kGroupKernels<T>[dim / kLanes - 1];
+  const GroupKernel<T> kernel = bf16_dot && bf16_dot_supported()
+                                    ? kGroupKernels<T, true>[dim / kLanes - 1]
+                                    : kGroupKernels<T, false>[dim / kLanes - 1];
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks.size());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch<T> scratch(max_len);
+    Scratch<T> scratch(max_len, value_offset);
     int64_t listed = -1;  // the request whose key rows scratch.keys holds
     for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(tasks.size());
          i = next.fetch_add(1)) {
@@ -329,8 +323,8 @@ torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> 
         }
         for (int64_t t = task.first; t < task.last; ++t) {
           const int64_t head = g * group;
-          kernel(q + t * q_stride + head * dim, scratch.keys.data(), value_offset,
-                 cached + (t - qs[n]) + 1, group, sc, scratch, o + (t * heads + head) * dim);
+          kernel(q + t * q_stride + head * dim, scratch.keys.data(), cached + (t - qs[n]) + 1,
+                 group, sc, scratch, o + (t * heads + head) * dim);
         }
       }
     }
