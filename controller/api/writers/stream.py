@@ -1,0 +1,103 @@
+"""One streamed response as its writer process holds it: the client's socket, a detokenizer
+per sequence, the chunk template and the bytes not yet written."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from controller.api.sse import ChunkTemplate
+from controller.api.writers.meta import StreamMeta
+from controller.text.detokenizer import OutputTextState
+from controller.text.tokenizer import Tokenizer
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def framed(body: bytes) -> bytes:
+    """One HTTP/1.1 chunk, framed as uvicorn frames a ``more_body`` message's (and as
+    direct_write.py writes one)."""
+    return b"%x\r\n%b\r\n" % (len(body), body)
+
+
+class WriterStream:
+    """A response's sequences (by slot) and its connection, until its last chunk is written."""
+
+    def __init__(self, slot: int, meta: StreamMeta, sock: socket.socket, tokenizer: Tokenizer):
+        self.slot = slot  # the stream's slot (its OPEN's)
+        self.meta = meta  # how its chunks look
+        self.sock = sock  # the client's connection (a dup of the core's fd), non-blocking
+        self.template = ChunkTemplate(meta.response_id, meta.obj, meta.created, meta.model)
+        self.texts = {
+            seq: OutputTextState(
+                tokenizer,
+                stop=meta.stop,
+                include_stop_str_in_output=meta.include_stop_str_in_output,
+                skip_special_tokens=meta.skip_special_tokens,
+            )
+            for seq in meta.sequences
+        }  # sequence slot -> its detokenizer and stop strings
+        self.index = {seq: i for i, seq in enumerate(meta.sequences)}  # slot -> choice index
+        self.open = set(meta.sequences)  # sequences not finished yet
+        self.stopped: list[int] = []  # sequences a stop string ended (the core must know)
+        self.out = bytearray()  # framed bytes not written yet
+        self.since = 0.0  # monotonic time `out` last became non-empty or drained some
+        self.ended = False  # [DONE] is in `out`: the stream ends once `out` drains
+
+    def add(self, seq: int, token_ids: list[int], reason: str | None) -> None:
+        """A sequence's new token ids (and its end): its chunk, framed, onto `out`."""
+        if seq not in self.open:
+            return  # ended already (a stop string): what the core sent since is moot
+        state = self.texts[seq]
+        text, stopped = state.update(token_ids, reason is not None)
+        if stopped and reason is None:
+            reason = "stop"
+            self.stopped.append(seq)
+        if reason is not None:
+            self.open.discard(seq)
+        body = self.chunk(seq, text, token_ids, reason)
+        if body:
+            self.queue(framed(body))
+        if not self.open and not self.ended:
+            self.ended = True
+            self.queue(framed(DONE_EVENT))
+
+    def chunk(self, seq: int, text: str, token_ids: list[int], reason: str | None) -> bytes:
+        """The SSE event of one sequence's step, as the in-process path's `stream_bytes`
+        builds it (b"" when it says nothing)."""
+        meta = self.meta
+        ids = token_ids if meta.return_token_ids else None
+        index = self.index[seq]
+        if meta.kind == "chat":
+            if not text and reason is None and not token_ids:
+                return b""
+            return self.template.chat(index, text, reason, ids, meta.include_usage)
+        if not text and reason is None:
+            return b""
+        return self.template.completion(index, text, reason, ids, meta.include_usage)
+
+    def queue(self, data: bytes) -> None:
+        if not self.out:
+            self.since = time.monotonic()
+        self.out += data
+
+    def flush(self) -> bool:
+        """Write what the socket takes now; True when nothing is left. OSError: the client is
+        gone."""
+        while self.out:
+            try:
+                sent = self.sock.send(self.out)
+            except BlockingIOError:
+                return False
+            del self.out[:sent]
+            self.since = time.monotonic()
+        return True
+
+    @property
+    def done(self) -> bool:
+        """Every sequence ended and every byte, [DONE] included, is written."""
+        return self.ended and not self.out
+
+    def close(self) -> None:
+        """Close the writer's dup of the connection (the core's fd stays open)."""
+        self.sock.close()
