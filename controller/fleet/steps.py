@@ -209,6 +209,9 @@ class StepLoop:
             if tracked.lost_at:
                 metrics.failover_resumed(series, now - tracked.lost_at)
                 tracked.lost_at = 0.0
+        if tracked.tokens_only and not update.error:
+            self._emit_tokens(tracked, update, now, series)
+            return
         if hold_quietly(tracked, update):
             return
         delta = make_delta(tracked, update)
@@ -220,3 +223,15 @@ class StepLoop:
             self.tracked.remove(tracked)
             count_finished(self.metrics, delta.finish_reason, tracked, now, series)
             self.owner.request_done(tracked, delta.finish_reason, self.address, now)
+
+    def _emit_tokens(
+        self, tracked: Tracked, update: RequestUpdate, now: float, series: ExecutorSeries
+    ) -> None:
+        """A tokens-only request's update: its raw ids to its sink (a stream writer's)."""
+        reason = update.finish_reason if update.finished else None
+        tracked.queue.put_tokens(update.new_token_ids, reason)  # type: ignore[attr-defined]
+        tracked.delivered = True
+        if update.finished:
+            self.tracked.remove(tracked)
+            count_finished(self.metrics, reason, tracked, now, series)
+            self.owner.request_done(tracked, reason, self.address, now)

@@ -21,6 +21,7 @@ class StreamMeta:
     skip_special_tokens: bool = True  # the detokenizer leaves special tokens out
     stop: list[str] = field(default_factory=list)  # stop strings the writer looks for
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text
+    prelude: list[str] = field(default_factory=list)  # SSE events written first (chat's role)
 
     def to_json(self) -> dict[str, Any]:
         """The meta as the OPEN message carries it."""

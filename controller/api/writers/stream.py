@@ -43,6 +43,8 @@ class WriterStream:
         self.out = bytearray()  # framed bytes not written yet
         self.since = 0.0  # monotonic time `out` last became non-empty or drained some
         self.ended = False  # [DONE] is in `out`: the stream ends once `out` drains
+        for event in meta.prelude:
+            self.queue(framed(event.encode("utf-8")))
 
     def add(self, seq: int, token_ids: list[int], reason: str | None) -> None:
         """A sequence's new token ids (and its end): its chunk, framed, onto `out`."""

@@ -1,0 +1,134 @@
+"""Streamed responses written by a stream writer process (--stream-writers 1), with a
+simulated executor: the openai client reads the same chunks as from the in-process path (the
+same server writes a response asking for the usage chunk itself), the connection is kept alive
+and serves the next request, and a client that leaves mid-stream has its request aborted and
+its KV blocks freed."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+
+import pytest
+
+from tests.e2e.adversarial.isolation_support import SIM_SPEED
+from tests.e2e.helpers import assert_no_blocks_in_use
+from tests.support.processes import start_server
+
+PROMPT = [10, 200, 3000, 40, 5]
+
+
+@pytest.fixture(scope="module")
+def writer_server(default_model_dir, tmp_path_factory):
+    s = start_server(
+        default_model_dir,
+        str(tmp_path_factory.mktemp("writers")),
+        controller_args=["--stream-writers", "1", "--stream-stall-timeout", "10"],
+        executor_args=SIM_SPEED,
+        executor_kinds=("executor_sim",),
+    )
+    yield s
+    s.stop()
+
+
+def _writers(server) -> list[str]:
+    """The controller's stream writer processes (their command lines)."""
+    out = subprocess.run(
+        ["ps", "-o", "args=", "--ppid", str(server.controller.pid)],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    return [line for line in out.splitlines() if "controller.api.writers.worker" in line]
+
+
+def _chunks(client, model: str, **kw) -> list[dict]:
+    stream = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=40, temperature=0, stream=True, **kw
+    )
+    return [c.model_dump(exclude={"id", "created", "usage"}) for c in stream]
+
+
+def test_chunks_equal_the_in_process_path(writer_server):
+    s = writer_server
+    client = s.client()
+    via_writer = _chunks(client, s.model_name)
+    assert _writers(s), "no stream writer process was started"
+    # include_usage keeps a response in the controller's own process (its usage chunk).
+    in_process = _chunks(client, s.model_name, stream_options={"include_usage": True})
+    in_process = [c for c in in_process if c["choices"]]  # less the usage chunk
+    assert via_writer == in_process
+    assert via_writer[-1]["choices"][0]["finish_reason"] == "length"
+    chat = client.chat.completions.create(
+        model=s.model_name,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+    )
+    parts = list(chat)
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert parts[-1].choices[0].finish_reason == "length"
+    assert_no_blocks_in_use(s)
+
+
+def _raw_request(sock: socket.socket, port: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    """One chunked response, through its terminating zero-length chunk."""
+    out = b""
+    while not out.endswith(b"\r\n0\r\n\r\n"):
+        data = sock.recv(65536)
+        assert data, f"the connection closed after {out[-200:]!r}"
+        out += data
+    return out
+
+
+def test_keep_alive_after_a_written_stream(writer_server):
+    s = writer_server
+    port = int(s.base_url.rsplit(":", 1)[1])
+    body = {"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "stream": True}
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        _raw_request(sock, port, body)
+        first = _read_response(sock)
+        assert b"transfer-encoding: chunked" in first.lower()
+        assert b"data: [DONE]\n\n" in first
+        _raw_request(sock, port, body)  # the same connection, kept alive
+        second = _read_response(sock)
+        assert b"data: [DONE]\n\n" in second
+        strip = [part.split(b"\r\n\r\n", 1)[1] for part in (first, second)]
+        texts = [
+            [json.loads(line[6:])["choices"][0]["text"] for line in _events(body)] for body in strip
+        ]
+        assert texts[0] == texts[1]
+    assert_no_blocks_in_use(s)
+
+
+def _events(body: bytes) -> list[bytes]:
+    """The SSE data lines of a chunked body, less [DONE]."""
+    lines = [line for line in body.split(b"\n") if line.startswith(b"data: {")]
+    return lines
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(writer_server):
+    s = writer_server
+    port = int(s.base_url.rsplit(":", 1)[1])
+    body = {"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        _raw_request(sock, port, body)
+        got = b""
+        while got.count(b"data: {") < 5:
+            got += sock.recv(65536)
+        used = sum(e["used_blocks"] for e in s.executors_state())
+        assert used > 0
+    assert_no_blocks_in_use(s)
+    client = s.client()
+    assert _chunks(client, s.model_name)  # the writer serves on
