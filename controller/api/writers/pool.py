@@ -84,6 +84,7 @@ class WriterChannel:
         self.sock: socket.socket | None = None
         self.proc: subprocess.Popen | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.buffer = memoryview(bytearray(64))  # replies are read into it (9 bytes each)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the writer process and watch its replies."""
@@ -168,9 +169,11 @@ class WriterChannel:
         assert self.sock is not None
         while True:
             try:
-                data, _ = receive(self.sock, socket.MSG_DONTWAIT)
+                data, _ = receive(self.sock, self.buffer, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return
+            except ValueError:
+                continue  # replies are 9 bytes: never cut
             except OSError:
                 data = b""
             if not data:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import selectors
 import socket
 import time
@@ -29,14 +30,22 @@ MAX_MESSAGE = 1 << 20  # the largest message read (a STEP of ~250k token ids)
 _FD_SIZE = array("i").itemsize
 
 
-def receive(sock: socket.socket, flags: int = 0) -> tuple[bytes, list[int]]:
-    """One message and the fds it carries (`socket.recv_fds` of Python 3.11 drops `flags`)."""
-    data, ancdata, _, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(_FD_SIZE), flags)
+def receive(
+    sock: socket.socket, buffer: memoryview, flags: int = 0
+) -> tuple[memoryview, list[int]]:
+    """One message (a view of `buffer`, which the next call reuses: read it before then) and
+    the fds it carries. Into the caller's buffer: `recvmsg` would allocate its whole size per
+    message (and `socket.recv_fds` of Python 3.11 drops `flags`)."""
+    n, ancdata, msg_flags, _ = sock.recvmsg_into([buffer], socket.CMSG_SPACE(_FD_SIZE), flags)
     fds = array("i")
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % _FD_SIZE])
-    return data, list(fds)
+    if msg_flags & socket.MSG_TRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"a message over {len(buffer)} bytes was cut")
+    return buffer[:n], list(fds)
 
 
 class Writer:
@@ -51,6 +60,7 @@ class Writer:
         self.selector = selectors.DefaultSelector()
         self.selector.register(control, selectors.EVENT_READ, None)
         self.running = True  # False once the core's end closed
+        self.buffer = memoryview(bytearray(MAX_MESSAGE))  # every message is read into it
 
     def run(self) -> None:
         """Serve until the core goes away."""
@@ -74,15 +84,18 @@ class Writer:
         """Every message the core has queued, without waiting for more."""
         while True:
             try:
-                data, fds = receive(self.control, socket.MSG_DONTWAIT)
+                data, fds = receive(self.control, self.buffer, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return
+            except ValueError:
+                log.exception("a message from the core was lost")
+                continue
             if not data:
                 self.running = False
                 return
             self._handle(data, fds)
 
-    def _handle(self, data: bytes, fds: list[int]) -> None:
+    def _handle(self, data: memoryview, fds: list[int]) -> None:
         kind = data[0]
         if kind == fr.STEP:
             self._step(fr.decode_step(data))
