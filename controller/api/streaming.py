@@ -189,15 +189,16 @@ def handed_off(
     queue: DeltaQueue,
 ) -> AsyncIterator[bytes] | None:
     """The body of a response a stream writer writes; None when it stays here (no writers,
-    TLS, logprobs, tools, echo, the usage chunk: docs/design/stream_writers.md)."""
-    if writers is None or include_usage:
+    TLS, logprobs, tools, echo: docs/design/stream_writers.md)."""
+    if writers is None:
         return None
     conn = queue.connection
     fd = plain_socket(conn)
     if fd is None or conn is None:
         return None
-    prelude = [sse_line(p).decode("utf-8") for p in fmt.stream_prelude(len(gens), False)]
-    meta = stream_meta(fmt, gens, [writers.new_slot() for _ in gens], prelude)
+    events = fmt.stream_prelude(len(gens), include_usage)
+    prelude = [sse_line(p).decode("utf-8") for p in events]
+    meta = stream_meta(fmt, gens, [writers.new_slot() for _ in gens], prelude, include_usage)
     if meta is None:
         return None
     if not writers.started:

@@ -35,8 +35,11 @@ class TokenSink(DeltaSink, Protocol):
 
     takes_tokens: bool  # True: the step loop calls `put_tokens`
 
-    def put_tokens(self, token_ids: list[int], finish_reason: str | None) -> None:
-        """A step's new token ids, and the finish reason when the request ended there."""
+    def put_tokens(
+        self, token_ids: list[int], finish_reason: str | None, num_cached_tokens: int
+    ) -> None:
+        """A step's new token ids, the finish reason when the request ended there, and its
+        prompt tokens served from the prefix cache (for the usage chunk)."""
 
 
 @dataclass(eq=False)

@@ -1,8 +1,9 @@
 """Streamed responses written by a stream writer process (--stream-writers 1), with a
-simulated executor: the openai client reads the same chunks as from the in-process path (the
-same server writes a response asking for the usage chunk itself), the connection is kept alive
-and serves the next request, and a client that leaves mid-stream has its request aborted and
-its KV blocks freed."""
+simulated executor: the openai client reads the same chunks as from the in-process path (a
+second server without writers, its own simulated executor: greedy tokens are a function of the
+prompt and position), usage chunk included; the connection is kept alive and serves the next
+request, and a client that leaves mid-stream has its request aborted and its KV blocks
+freed."""
 
 from __future__ import annotations
 
@@ -32,6 +33,18 @@ def writer_server(default_model_dir, tmp_path_factory):
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def plain_server(default_model_dir, tmp_path_factory):
+    s = start_server(
+        default_model_dir,
+        str(tmp_path_factory.mktemp("plain")),
+        executor_args=SIM_SPEED,
+        executor_kinds=("executor_sim",),
+    )
+    yield s
+    s.stop()
+
+
 def _writers(server) -> list[str]:
     """The controller's stream writer processes (their command lines)."""
     out = subprocess.run(
@@ -47,29 +60,35 @@ def _chunks(client, model: str, **kw) -> list[dict]:
     stream = client.completions.create(
         model=model, prompt=PROMPT, max_tokens=40, temperature=0, stream=True, **kw
     )
-    return [c.model_dump(exclude={"id", "created", "usage"}) for c in stream]
+    return [c.model_dump(exclude={"id", "created"}) for c in stream]
 
 
-def test_chunks_equal_the_in_process_path(writer_server):
-    s = writer_server
-    client = s.client()
-    via_writer = _chunks(client, s.model_name)
-    assert _writers(s), "no stream writer process was started"
-    # include_usage keeps a response in the controller's own process (its usage chunk).
-    in_process = _chunks(client, s.model_name, stream_options={"include_usage": True})
-    in_process = [c for c in in_process if c["choices"]]  # less the usage chunk
-    assert via_writer == in_process
-    assert via_writer[-1]["choices"][0]["finish_reason"] == "length"
-    chat = client.chat.completions.create(
-        model=s.model_name,
+def _chat(client, model: str, **kw) -> list[dict]:
+    stream = client.chat.completions.create(
+        model=model,
         messages=[{"role": "user", "content": "hi"}],
         max_tokens=20,
         temperature=0,
         stream=True,
+        **kw,
     )
-    parts = list(chat)
-    assert parts[0].choices[0].delta.role == "assistant"
-    assert parts[-1].choices[0].finish_reason == "length"
+    return [c.model_dump(exclude={"id", "created"}) for c in stream]
+
+
+@pytest.mark.parametrize("usage", [False, True])
+def test_chunks_equal_the_in_process_path(writer_server, plain_server, usage):
+    s, plain = writer_server, plain_server
+    kw = {"stream_options": {"include_usage": True}} if usage else {}
+    via_writer = _chunks(s.client(), s.model_name, **kw)
+    assert _writers(s), "no stream writer process was started"
+    assert via_writer == _chunks(plain.client(), plain.model_name, **kw)
+    last = via_writer[-2 if usage else -1]
+    assert last["choices"][0]["finish_reason"] == "length"
+    if usage:
+        assert via_writer[-1]["choices"] == []
+    chat = _chat(s.client(), s.model_name, **kw)
+    assert chat == _chat(plain.client(), plain.model_name, **kw)
+    assert chat[0]["choices"][0]["delta"]["role"] == "assistant"
     assert_no_blocks_in_use(s)
 
 

@@ -11,6 +11,8 @@ an OPEN's connection fd in its ancillary data). Its first byte says its kind:
   token counts (uint32), their finish codes (uint8, FINISH_REASONS) and the token ids
   (int32), concatenated in slot order.
 - CLOSE (core -> writer): drop a stream now (its request was aborted by the core).
+- USAGE (core -> writer): a sequence's prompt tokens served from the prefix cache (for the
+  usage chunk), sent at its first tokens and at its end, before the STEP that carries them.
 - STOPPED (writer -> core): a stop string the writer found ended this sequence (its slot):
   the core finishes its request as "stop" and frees its blocks.
 - DONE (writer -> core): a stream is over and its fd closed, with why (DONE_REASONS); the
@@ -26,7 +28,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-OPEN, STEP, CLOSE, DONE, STOPPED = 1, 2, 3, 4, 5  # a message's first byte
+OPEN, STEP, CLOSE, DONE, STOPPED, USAGE = 1, 2, 3, 4, 5, 6  # a message's first byte
 
 # A sequence's finish code in a STEP (0: it goes on) and its OpenAI finish_reason.
 FINISH_REASONS = (None, "stop", "length", "abort", "error")
@@ -106,7 +108,8 @@ def encode_open(slot: int, meta: dict[str, Any]) -> bytes:
 
 
 def encode_control(kind: int, slot: int, extra: int = 0) -> bytes:
-    """A CLOSE, STOPPED (extra unused) or DONE (extra: the DONE_REASONS index) message."""
+    """A CLOSE, STOPPED (extra unused), DONE (extra: the DONE_REASONS index) or USAGE (slot:
+    the sequence's, extra: its cached prompt tokens) message."""
     return _HEAD.pack(kind, slot, extra)
 
 

@@ -43,7 +43,11 @@ def plain_socket(conn: DirectWrite | None) -> int | None:
 
 
 def stream_meta(
-    fmt: Any, gens: list[GenerationRequest], sequences: list[int], prelude: list[str]
+    fmt: Any,
+    gens: list[GenerationRequest],
+    sequences: list[int],
+    prelude: list[str],
+    include_usage: bool,
 ) -> StreamMeta | None:
     """What the writer needs to format this response's chunks; None when the response is not
     one a writer formats yet (logprobs, an echoed prompt, tools, prompt logprobs)."""
@@ -56,6 +60,8 @@ def stream_meta(
         return None
     gen = gens[0]
     meta = fmt.meta
+    prompts = [fmt.prompt] if chat else fmt.prompts
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)  # as `usage_chunk` counts them
     return StreamMeta(
         response_id=meta.id,
         obj="chat.completion.chunk" if chat else "text_completion",
@@ -68,6 +74,8 @@ def stream_meta(
         stop=list(gen.stop),
         include_stop_str_in_output=gen.include_stop_str_in_output,
         prelude=prelude,
+        include_usage=include_usage,
+        prompt_tokens=prompt_tokens,
     )
 
 

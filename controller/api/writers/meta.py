@@ -17,7 +17,8 @@ class StreamMeta:
     kind: str  # "completion" or "chat": which ChunkTemplate method builds a chunk
     sequences: list[int]  # the slots of its sequences, in choice-index order
     return_token_ids: bool = False  # each chunk carries its token ids
-    include_usage: bool = False  # chunks carry "usage": null (the usage chunk is the core's)
+    include_usage: bool = False  # chunks carry "usage": null, and a usage chunk comes last
+    prompt_tokens: int = 0  # the usage chunk's prompt_tokens
     skip_special_tokens: bool = True  # the detokenizer leaves special tokens out
     stop: list[str] = field(default_factory=list)  # stop strings the writer looks for
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text

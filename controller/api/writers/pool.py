@@ -55,11 +55,17 @@ class TokenSink:
         self.slot = slot  # the sequence's slot
         self.started = started  # called at its first output (it stops counting as queued)
 
-    def put_tokens(self, token_ids: list[int], finish_reason: str | None) -> None:
-        """A step's new ids for the sequence (and its end)."""
+    def put_tokens(
+        self, token_ids: list[int], finish_reason: str | None, num_cached_tokens: int = 0
+    ) -> None:
+        """A step's new ids for the sequence (and its end; its prompt's cache hit, for the
+        usage chunk, is sent with its first tokens and its end)."""
         if self.started is not None:
             self.started()
             self.started = None
+            self.channel.usage(self.slot, num_cached_tokens)
+        elif finish_reason is not None:
+            self.channel.usage(self.slot, num_cached_tokens)
         self.channel.add(self.slot, token_ids, finish_reason)
 
     def put_nowait(self, item) -> None:
@@ -113,6 +119,10 @@ class WriterChannel:
         """Ask the writer to drop a stream now (the DONE "closed" follows)."""
         if slot in self.streams:
             self._send(fr.encode_control(fr.CLOSE, slot))
+
+    def usage(self, seq: int, num_cached_tokens: int) -> None:
+        """A sequence's cached prompt tokens (sent before this step's frame)."""
+        self._send(fr.encode_control(fr.USAGE, seq, num_cached_tokens))
 
     def add(self, seq: int, token_ids: list[int], finish_reason: str | None) -> None:
         """A sequence's step, into this step's frame (sent once, after the step's updates)."""

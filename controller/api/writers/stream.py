@@ -3,6 +3,7 @@ per sequence, the chunk template and the bytes not yet written."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -39,6 +40,8 @@ class WriterStream:
         }  # sequence slot -> its detokenizer and stop strings
         self.index = {seq: i for i, seq in enumerate(meta.sequences)}  # slot -> choice index
         self.open = set(meta.sequences)  # sequences not finished yet
+        self.generated = dict.fromkeys(meta.sequences, 0)  # tokens each one streamed
+        self.cached = dict.fromkeys(meta.sequences, 0)  # its prompt tokens from the cache
         self.stopped: list[int] = []  # sequences a stop string ended (the core must know)
         self.out = bytearray()  # framed bytes not written yet
         self.since = 0.0  # monotonic time `out` last became non-empty or drained some
@@ -57,12 +60,35 @@ class WriterStream:
             self.stopped.append(seq)
         if reason is not None:
             self.open.discard(seq)
+        self.generated[seq] += len(token_ids)
         body = self.chunk(seq, text, token_ids, reason)
         if body:
             self.queue(framed(body))
         if not self.open and not self.ended:
             self.ended = True
+            if self.meta.include_usage:
+                self.queue(framed(self.usage_event()))
             self.queue(framed(DONE_EVENT))
+
+    def usage_event(self) -> bytes:
+        """The usage chunk, as the formatters' `usage_chunk` and `sse_line` write it."""
+        meta = self.meta
+        completion = sum(self.generated.values())
+        body = {
+            "id": meta.response_id,
+            "object": meta.obj,
+            "created": meta.created,
+            "model": meta.model,
+            "choices": [],
+            "usage": {
+                "prompt_tokens": meta.prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": meta.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())},
+            },
+        }
+        line = f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return line.encode("utf-8", "replace")
 
     def chunk(self, seq: int, text: str, token_ids: list[int], reason: str | None) -> bytes:
         """The SSE event of one sequence's step, as the in-process path's `stream_bytes`

@@ -102,6 +102,11 @@ class Writer:
         elif kind == fr.OPEN:
             slot, meta = fr.decode_open(data)
             self._open(slot, StreamMeta.from_json(meta), fds)
+        elif kind == fr.USAGE:
+            _, seq, cached = fr.decode_head(data)
+            stream = self.by_seq.get(seq)
+            if stream is not None:
+                stream.cached[seq] = cached
         elif kind == fr.CLOSE:
             _, slot, _ = fr.decode_head(data)
             stream = self.streams.get(slot)

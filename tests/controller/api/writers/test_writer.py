@@ -17,6 +17,7 @@ import pytest
 
 from controller.api.choice import Choice
 from controller.api.formats import ChatFormatter, CompletionFormatter, Prompt, ResponseMeta
+from controller.api.streaming import sse_line
 from controller.api.writers import frame as fr
 from controller.api.writers.meta import StreamMeta
 from controller.api.writers.worker import Writer
@@ -57,9 +58,12 @@ def _formatter(tok: Tokenizer, kind: str, return_token_ids: bool):
     return CompletionFormatter(tok, META, [prompt], 1, False, None, return_token_ids)
 
 
-def _in_process(tok, kind, steps, reasons, stop, return_token_ids, include_usage) -> bytes:
+def _in_process(
+    tok, kind, steps, reasons, stop, return_token_ids, include_usage, cached=0
+) -> bytes:
     """What the in-process path writes for one sequence's steps (the chunks after the head and
-    prelude, [DONE] included, the terminating zero-length chunk excluded)."""
+    prelude, the usage chunk and [DONE] included, the terminating zero-length chunk
+    excluded)."""
     fmt = _formatter(tok, kind, return_token_ids)
     state = OutputTextState(tok, stop=stop)
     choice, out = Choice(index=0, prompt_index=0), b""
@@ -67,13 +71,23 @@ def _in_process(tok, kind, steps, reasons, stop, return_token_ids, include_usage
         text, stopped = state.update(ids, reason is not None)
         if stopped and reason is None:
             reason = "stop"
-        d = OutputDelta("r", text, ids, finished=reason is not None, finish_reason=reason)
+        d = OutputDelta(
+            "r",
+            text,
+            ids,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_cached_tokens=cached,
+        )
         line = fmt.stream_bytes(choice, d, choice.empty, include_usage)
         choice.add(d)
         if line:
             out += b"%x\r\n%b\r\n" % (len(line), line)
         if reason is not None:
             break
+    if include_usage:
+        line = sse_line(fmt.usage_chunk([choice]))
+        out += b"%x\r\n%b\r\n" % (len(line), line)
     return out + b"%x\r\n%b\r\n" % (len(b"data: [DONE]\n\n"), b"data: [DONE]\n\n")
 
 
@@ -139,6 +153,27 @@ def test_bytes_equal_the_in_process_path(tok, kind, return_token_ids):
     core.control.close()
     thread.join(10)
     assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_the_usage_chunk(tok, kind):
+    core, thread = _threaded_writer(tok)
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    meta = StreamMeta(META.id, obj, META.created, META.model, kind, [11])
+    meta.include_usage, meta.prompt_tokens = True, 3  # the formatter's prompt: 3 tokens
+    client = core.open(1, meta)
+    steps = _steps(tok, 5)
+    reasons = [None] * (len(steps) - 1) + ["length"]
+    core.control.send(fr.encode_control(fr.USAGE, 11, 2))
+    for ids, reason in zip(steps, reasons):
+        builder = fr.StepBuilder()
+        builder.add(11, ids, reason)
+        core.step(builder)
+    want = _in_process(tok, kind, steps, reasons, [], False, True, cached=2)
+    assert _read_all(client) == want
+    assert core.replies(1) == [(fr.DONE, 1, 0)]
+    core.control.close()
+    thread.join(10)
 
 
 def test_a_stop_string_ends_the_sequence_and_tells_the_core(tok):
