@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from tests.e2e.adversarial.isolation_support import SIM_SPEED
-from tests.e2e.helpers import assert_no_blocks_in_use
+from tests.e2e.helpers import assert_no_blocks_in_use, metrics_text
 from tests.support.processes import start_server
 
 PROMPT = [10, 200, 3000, 40, 5]
@@ -57,9 +57,8 @@ def _writers(server) -> list[str]:
 
 
 def _chunks(client, model: str, **kw) -> list[dict]:
-    stream = client.completions.create(
-        model=model, prompt=PROMPT, max_tokens=40, temperature=0, stream=True, **kw
-    )
+    kw = {"max_tokens": 40, **kw}
+    stream = client.completions.create(model=model, prompt=PROMPT, temperature=0, stream=True, **kw)
     return [c.model_dump(exclude={"id", "created"}) for c in stream]
 
 
@@ -151,3 +150,32 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(writer_server):
     assert_no_blocks_in_use(s)
     client = s.client()
     assert _chunks(client, s.model_name)  # the writer serves on
+
+
+def _finished(server, reason: str) -> float:
+    """Requests that ended with this finish reason (vllm:request_success_total)."""
+    label = f'finished_reason="{reason}"'
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics_text(server).splitlines()
+        if line.startswith("vllm:request_success_total{") and label in line
+    )
+
+
+def test_a_stop_string_found_by_the_writer(writer_server, plain_server):
+    """The writer ends the stream at the stop string as the in-process path does, and the
+    request ends there as "stop", its blocks freed."""
+    s, plain = writer_server, plain_server
+    whole = plain.client().completions.create(
+        model=plain.model_name, prompt=PROMPT, max_tokens=60, temperature=0
+    )
+    text = whole.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), text
+    kw = {"stop": [stop], "max_tokens": 200}
+    stops = _finished(s, "stop")
+    via_writer = _chunks(s.client(), s.model_name, **kw)
+    assert via_writer == _chunks(plain.client(), plain.model_name, **kw)
+    assert via_writer[-1]["choices"][0]["finish_reason"] == "stop"
+    assert_no_blocks_in_use(s)
+    assert _finished(s, "stop") == stops + 1

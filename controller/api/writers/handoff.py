@@ -97,7 +97,7 @@ async def writer_events(
     stream = channel.open(pool.new_slot(), meta, fd)
     handles = {}
     # A sequence a stop string ended (the writer found it) stops now: its blocks go back.
-    stream.on_stop = lambda seq: engine.abort(handles[seq]) if seq in handles else None
+    stream.on_stop = lambda seq: engine.abort(handles[seq], "stop") if seq in handles else None
     reason = "error"
     try:
         for i, gen in enumerate(gens):
