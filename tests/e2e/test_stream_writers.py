@@ -8,6 +8,8 @@ freed."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 
@@ -15,7 +17,7 @@ import pytest
 
 from tests.e2e.adversarial.isolation_support import SIM_SPEED
 from tests.e2e.helpers import assert_no_blocks_in_use, metrics_text
-from tests.support.processes import start_server
+from tests.support.processes import start_server, wait_until
 
 PROMPT = [10, 200, 3000, 40, 5]
 
@@ -179,3 +181,34 @@ def test_a_stop_string_found_by_the_writer(writer_server, plain_server):
     assert via_writer[-1]["choices"][0]["finish_reason"] == "stop"
     assert_no_blocks_in_use(s)
     assert _finished(s, "stop") == stops + 1
+
+
+def _writer_pids(server) -> list[int]:
+    out = subprocess.run(
+        ["ps", "-o", "pid=,args=", "--ppid", str(server.controller.pid)],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "writers.worker" in line]
+
+
+def test_a_writer_that_dies_ends_its_streams_and_is_restarted(writer_server):
+    s = writer_server
+    port = int(s.base_url.rsplit(":", 1)[1])
+    _chunks(s.client(), s.model_name)  # the writer runs
+    (pid,) = _writer_pids(s)
+    body = {"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        _raw_request(sock, port, body)
+        got = b""
+        while got.count(b"data: {") < 5:
+            got += sock.recv(65536)
+        os.kill(pid, signal.SIGKILL)
+        while data := sock.recv(65536):  # the connection is closed, the response unfinished
+            got += data
+        assert not got.endswith(b"\r\n0\r\n\r\n")
+    assert_no_blocks_in_use(s)
+    wait_until(lambda: _writer_pids(s) not in ([], [pid]), 30, "a new stream writer")
+    assert _chunks(s.client(), s.model_name)[-1]["choices"][0]["finish_reason"] == "length"
+    assert_no_blocks_in_use(s)
