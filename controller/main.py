@@ -52,7 +52,10 @@ def build_server(config: ControllerConfig, model_dir: str = "") -> GracefulServe
     writers = None
     if config.stream_writers:
         writers = WriterPool(
-            config.stream_writers, str(model_dir or config.model), config.stream_stall_timeout
+            config.stream_writers,
+            str(model_dir or config.model),
+            config.stream_stall_timeout,
+            engine.metrics.registry,
         )
     serving = OpenAIServing(
         engine,

@@ -7,6 +7,7 @@ freed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -16,7 +17,8 @@ import subprocess
 import pytest
 
 from tests.e2e.adversarial.isolation_support import SIM_SPEED
-from tests.e2e.helpers import assert_no_blocks_in_use, metrics_text
+from tests.e2e.helpers import PROMPTS, assert_no_blocks_in_use, metric_sum, metrics_text
+from tests.e2e.test_shutdown import _finish, _stream
 from tests.support.processes import start_server, wait_until
 
 PROMPT = [10, 200, 3000, 40, 5]
@@ -80,8 +82,9 @@ def _chat(client, model: str, **kw) -> list[dict]:
 def test_chunks_equal_the_in_process_path(writer_server, plain_server, usage):
     s, plain = writer_server, plain_server
     kw = {"stream_options": {"include_usage": True}} if usage else {}
+    written = _streams(s, "finished")
     via_writer = _chunks(s.client(), s.model_name, **kw)
-    assert _writers(s), "no stream writer process was started"
+    assert _streams(s, "finished") == written + 1, "the stream was not a writer's"
     assert via_writer == _chunks(plain.client(), plain.model_name, **kw)
     last = via_writer[-2 if usage else -1]
     assert last["choices"][0]["finish_reason"] == "length"
@@ -142,6 +145,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(writer_server):
     s = writer_server
     port = int(s.base_url.rsplit(":", 1)[1])
     body = {"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    gone = _streams(s, "client_gone")
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
         _raw_request(sock, port, body)
         got = b""
@@ -150,8 +154,19 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(writer_server):
         used = sum(e["used_blocks"] for e in s.executors_state())
         assert used > 0
     assert_no_blocks_in_use(s)
+    assert _streams(s, "client_gone") == gone + 1
     client = s.client()
     assert _chunks(client, s.model_name)  # the writer serves on
+
+
+def _streams(server, reason: str) -> float:
+    """Streams the writers ended with this reason (tandem:stream_writer_streams_total)."""
+    label = f'reason="{reason}"'
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics_text(server).splitlines()
+        if line.startswith("tandem:stream_writer_streams_total{") and label in line
+    )
 
 
 def _finished(server, reason: str) -> float:
@@ -175,12 +190,13 @@ def test_a_stop_string_found_by_the_writer(writer_server, plain_server):
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), text
     kw = {"stop": [stop], "max_tokens": 200}
-    stops = _finished(s, "stop")
+    stops, written = _finished(s, "stop"), _streams(s, "finished")
     via_writer = _chunks(s.client(), s.model_name, **kw)
     assert via_writer == _chunks(plain.client(), plain.model_name, **kw)
     assert via_writer[-1]["choices"][0]["finish_reason"] == "stop"
     assert_no_blocks_in_use(s)
     assert _finished(s, "stop") == stops + 1
+    assert _streams(s, "finished") == written + 1
 
 
 def _writer_pids(server) -> list[int]:
@@ -204,11 +220,48 @@ def test_a_writer_that_dies_ends_its_streams_and_is_restarted(writer_server):
         got = b""
         while got.count(b"data: {") < 5:
             got += sock.recv(65536)
+        errors = _streams(s, "error")
         os.kill(pid, signal.SIGKILL)
         while data := sock.recv(65536):  # the connection is closed, the response unfinished
             got += data
         assert not got.endswith(b"\r\n0\r\n\r\n")
+    assert _streams(s, "error") == errors + 1
     assert_no_blocks_in_use(s)
     wait_until(lambda: _writer_pids(s) not in ([], [pid]), 30, "a new stream writer")
     assert _chunks(s.client(), s.model_name)[-1]["choices"][0]["finish_reason"] == "length"
     assert_no_blocks_in_use(s)
+
+
+def test_sigterm_ends_writer_streams_as_aborted(default_model_dir, tmp_path):
+    """SIGTERM past the grace period: a stream a writer owns ends as the in-process path ends
+    it (finish_reason "abort", then [DONE]), and the controller exits cleanly."""
+    s = start_server(
+        default_model_dir,
+        str(tmp_path),
+        controller_args=["--stream-writers", "1", "--shutdown-grace", "1"],
+        executor_args=["--step-fixed-ms", "20"],
+        executor_kinds=("executor_sim",),
+    )
+    try:
+        body = {"model": s.model_name, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+
+        async def run():
+            events: list[list[dict]] = [[], []]
+            tasks = [
+                asyncio.create_task(_stream(s.base_url, {**body, "prompt": p}, ev))
+                for p, ev in zip(PROMPTS, events)
+            ]
+            while not all(events):
+                await asyncio.sleep(0.05)
+            gauge = "tandem:stream_writer_streams_open"
+            assert metric_sum(metrics_text(s), gauge) == 2  # both are the writer's
+            s.controller.send_signal(signal.SIGTERM)
+            await asyncio.gather(*tasks)
+            return events
+
+        for events in asyncio.run(run()):
+            assert _finish(events) == "abort", events[-3:]
+            assert events[-1] == {"done": True}
+        assert s.controller.wait(timeout=30) == 0
+    finally:
+        s.stop()

@@ -10,7 +10,9 @@ an OPEN's connection fd in its ancillary data). Its first byte says its kind:
   arrays, so that no per-token Python object crosses: the sequence slots (uint32), their
   token counts (uint32), their finish codes (uint8, FINISH_REASONS) and the token ids
   (int32), concatenated in slot order.
-- CLOSE (core -> writer): drop a stream now (its request was aborted by the core).
+- CLOSE (core -> writer): drop a stream now (its request was aborted by the core); with
+  extra 1 (END_ABORTED), end it as the in-process path ends an aborted response instead (each
+  unfinished sequence's "abort" chunk, the usage chunk, [DONE]), then DONE "finished".
 - USAGE (core -> writer): a sequence's prompt tokens served from the prefix cache (for the
   usage chunk), sent at its first tokens and at its end, before the STEP that carries them.
 - STOPPED (writer -> core): a stop string the writer found ended this sequence (its slot):
@@ -37,6 +39,8 @@ FINISH_CODES = {reason: code for code, reason in enumerate(FINISH_REASONS)}
 # Why a stream ended, in a DONE: the core aborts whatever of it still runs for all but
 # "finished" (its sequences ended with the core's finish codes or STOPPED).
 DONE_REASONS = ("finished", "client_gone", "stalled", "closed", "error")
+
+END_ABORTED = 1  # a CLOSE's extra: write the aborted response's last chunks first
 
 _HEAD = struct.Struct("<BII")  # kind, sequences, tokens (STEP); kind, slot, extra (others)
 _LITTLE = sys.byteorder == "little"  # arrays are sent little-endian whatever the host
@@ -108,8 +112,9 @@ def encode_open(slot: int, meta: dict[str, Any]) -> bytes:
 
 
 def encode_control(kind: int, slot: int, extra: int = 0) -> bytes:
-    """A CLOSE, STOPPED (extra unused), DONE (extra: the DONE_REASONS index) or USAGE (slot:
-    the sequence's, extra: its cached prompt tokens) message."""
+    """A CLOSE (extra: 0 or END_ABORTED), STOPPED (extra unused), DONE (extra: the
+    DONE_REASONS index) or USAGE (slot: the sequence's, extra: its cached prompt tokens)
+    message."""
     return _HEAD.pack(kind, slot, extra)
 
 

@@ -107,6 +107,7 @@ async def writer_events(
             )
         reason = await _until_done(channel, stream, queue)
     finally:
+        pool.count_end(reason)
         if not stream.done.done():  # cancelled: the writer lets go of the connection too
             channel.close_stream(stream.slot)
         for handle in handles.values():  # nothing for those that ended
@@ -121,12 +122,13 @@ async def writer_events(
 
 
 async def _until_done(channel, stream, queue: DeltaQueue) -> str:
-    """The writer's DONE reason; a shutdown's abort asks the writer to close the stream."""
+    """The writer's DONE reason; a shutdown's abort asks the writer to end the stream with
+    "abort" chunks and [DONE], as the in-process path does."""
     aborted = asyncio.ensure_future(queue.wait_aborted())
     try:
         await asyncio.wait({stream.done, aborted}, return_when=asyncio.FIRST_COMPLETED)
-        if not stream.done.done():
-            channel.close_stream(stream.slot)
+        if not stream.done.done():  # shutdown: the response ends as an aborted one
+            channel.close_stream(stream.slot, end_aborted=True)
         return await stream.done
     finally:
         aborted.cancel()

@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
 from controller.api.writers import frame as fr
 from controller.api.writers.meta import StreamMeta
 from controller.api.writers.worker import receive
@@ -115,10 +117,12 @@ class WriterChannel:
         self._send(fr.encode_open(slot, meta.to_json()), [fd])
         return stream
 
-    def close_stream(self, slot: int) -> None:
-        """Ask the writer to drop a stream now (the DONE "closed" follows)."""
+    def close_stream(self, slot: int, end_aborted: bool = False) -> None:
+        """Ask the writer to drop a stream now (the DONE "closed" follows), or, `end_aborted`,
+        to end it as an aborted response (its last chunks and [DONE]; DONE "finished")."""
         if slot in self.streams:
-            self._send(fr.encode_control(fr.CLOSE, slot))
+            how = fr.END_ABORTED if end_aborted else 0
+            self._send(fr.encode_control(fr.CLOSE, slot, how))
 
     def usage(self, seq: int, num_cached_tokens: int) -> None:
         """A sequence's cached prompt tokens (sent before this step's frame)."""
@@ -245,10 +249,30 @@ class WriterChannel:
 class WriterPool:
     """N writer processes; a stream goes to the one with the fewest."""
 
-    def __init__(self, count: int, model_dir: str, stall_timeout: float):
+    def __init__(
+        self,
+        count: int,
+        model_dir: str,
+        stall_timeout: float,
+        registry: CollectorRegistry | None = None,
+    ):
         self.channels = [WriterChannel(i, model_dir, stall_timeout) for i in range(count)]
         self._slots = itertools.count(1)  # stream and sequence slots, never reused
         self.started = False
+        # Streams handed to writers, by how they ended (frame.DONE_REASONS).
+        self.ended = Counter(
+            "tandem:stream_writer_streams",
+            "Streamed responses written by stream writer processes, by how they ended: "
+            "finished, client_gone, stalled, closed, error (the writer exited or fell behind)",
+            ["reason"],
+            registry=registry,
+        )
+        open_now = Gauge(
+            "tandem:stream_writer_streams_open",
+            "Streamed responses the stream writer processes own now",
+            registry=registry,
+        )
+        open_now.set_function(lambda: sum(len(c.streams) for c in self.channels))
 
     def start(self) -> None:
         """Start every writer (on the running loop)."""
@@ -256,6 +280,10 @@ class WriterPool:
         for channel in self.channels:
             channel.start(loop)
         self.started = True
+
+    def count_end(self, reason: str) -> None:
+        """Count a stream's end."""
+        self.ended.labels(reason).inc()
 
     def pick(self) -> WriterChannel:
         """The channel with the fewest streams."""

@@ -70,6 +70,20 @@ class WriterStream:
                 self.queue(framed(self.usage_event()))
             self.queue(framed(DONE_EVENT))
 
+    def abort_open(self) -> None:
+        """End every unfinished sequence with "abort" (an empty chunk each, as the in-process
+        path writes for a response aborted at shutdown: held-back text is not flushed), then
+        the usage chunk and [DONE]."""
+        for seq in self.meta.sequences:
+            if seq in self.open:
+                self.open.discard(seq)
+                self.queue(framed(self.chunk(seq, "", [], "abort")))
+        if not self.ended:
+            self.ended = True
+            if self.meta.include_usage:
+                self.queue(framed(self.usage_event()))
+            self.queue(framed(DONE_EVENT))
+
     def usage_event(self) -> bytes:
         """The usage chunk, as the formatters' `usage_chunk` and `sse_line` write it."""
         meta = self.meta

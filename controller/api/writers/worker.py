@@ -108,9 +108,12 @@ class Writer:
             if stream is not None:
                 stream.cached[seq] = cached
         elif kind == fr.CLOSE:
-            _, slot, _ = fr.decode_head(data)
+            _, slot, how = fr.decode_head(data)
             stream = self.streams.get(slot)
-            if stream is not None:
+            if stream is not None and how == fr.END_ABORTED:
+                stream.abort_open()
+                self._flush(stream)
+            elif stream is not None:
                 self._end(stream, "closed")
         else:
             log.error("a message of unknown kind %d from the core", kind)

@@ -176,6 +176,40 @@ def test_the_usage_chunk(tok, kind):
     thread.join(10)
 
 
+@pytest.mark.parametrize("usage", [False, True])
+def test_an_aborted_response_ends_as_in_process(tok, usage):
+    """CLOSE with END_ABORTED (shutdown): each unfinished sequence's "abort" chunk, held-back
+    text not flushed, the usage chunk, [DONE], as sse_events writes an aborted response."""
+    core, thread = _threaded_writer(tok)
+    meta = StreamMeta(META.id, "text_completion", META.created, META.model, "completion", [21])
+    meta.include_usage, meta.prompt_tokens, meta.stop = usage, 3, ["stop here"]
+    client = core.open(1, meta)
+    steps = _steps(tok, 6)[:6]
+    for ids in steps:
+        builder = fr.StepBuilder()
+        builder.add(21, ids)
+        core.step(builder)
+    core.control.send(fr.encode_control(fr.CLOSE, 1, fr.END_ABORTED))
+    # In process: the steps' deltas, then an empty "abort" delta (no held-back text).
+    fmt = _formatter(tok, "completion", False)
+    state, choice, want = OutputTextState(tok, stop=["stop here"]), Choice(0, 0), b""
+    deltas = [OutputDelta("r", state.update(ids, False)[0], ids) for ids in steps]
+    deltas.append(OutputDelta("r", finished=True, finish_reason="abort"))
+    for d in deltas:
+        line = fmt.stream_bytes(choice, d, choice.empty, usage)
+        choice.add(d)
+        if line:
+            want += b"%x\r\n%b\r\n" % (len(line), line)
+    if usage:
+        line = sse_line(fmt.usage_chunk([choice]))
+        want += b"%x\r\n%b\r\n" % (len(line), line)
+    want += b"%x\r\n%b\r\n" % (len(b"data: [DONE]\n\n"), b"data: [DONE]\n\n")
+    assert _read_all(client) == want
+    assert core.replies(1) == [(fr.DONE, 1, 0)]
+    core.control.close()
+    thread.join(10)
+
+
 def test_a_stop_string_ends_the_sequence_and_tells_the_core(tok):
     core, thread = _threaded_writer(tok)
     meta = StreamMeta(META.id, "text_completion", META.created, META.model, "completion", [7])
