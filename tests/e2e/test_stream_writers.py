@@ -22,6 +22,8 @@ from tests.e2e.test_shutdown import _finish, _stream
 from tests.support.processes import start_server, wait_until
 
 PROMPT = [10, 200, 3000, 40, 5]
+FAULT_TOKEN = 49000  # a prompt with it fails alone on the simulated executors
+FAULT = ["--fault", "reject", "--fault-token-id", str(FAULT_TOKEN)]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,7 @@ def writer_server(default_model_dir, tmp_path_factory):
         default_model_dir,
         str(tmp_path_factory.mktemp("writers")),
         controller_args=["--stream-writers", "1", "--stream-stall-timeout", "10"],
-        executor_args=SIM_SPEED,
+        executor_args=[*SIM_SPEED, *FAULT],
         executor_kinds=("executor_sim",),
     )
     yield s
@@ -42,7 +44,7 @@ def plain_server(default_model_dir, tmp_path_factory):
     s = start_server(
         default_model_dir,
         str(tmp_path_factory.mktemp("plain")),
-        executor_args=SIM_SPEED,
+        executor_args=[*SIM_SPEED, *FAULT],
         executor_kinds=("executor_sim",),
     )
     yield s
@@ -167,6 +169,22 @@ def _streams(server, reason: str) -> float:
         for line in metrics_text(server).splitlines()
         if line.startswith("tandem:stream_writer_streams_total{") and label in line
     )
+
+
+def test_a_failed_sequence_gives_the_in_process_error_event(writer_server, plain_server):
+    s, plain = writer_server, plain_server
+    body = {"prompt": [*PROMPT, FAULT_TOKEN], "max_tokens": 20, "temperature": 0, "stream": True}
+    written, bodies = _streams(s, "finished"), []
+    for server in (s, plain):
+        port = int(server.base_url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            _raw_request(sock, port, body)
+            raw = _read_response(sock).split(b"\r\n\r\n", 1)[1]
+        bodies.append([line for line in raw.split(b"\n") if line.startswith(b"data: ")])
+    assert bodies[0] == bodies[1]
+    assert b'"error"' in bodies[0][0] and bodies[0][-1] == b"data: [DONE]"
+    assert _streams(s, "finished") == written + 1  # the writer wrote it
+    assert_no_blocks_in_use(s)
 
 
 def _finished(server, reason: str) -> float:

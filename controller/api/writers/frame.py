@@ -17,6 +17,8 @@ an OPEN's connection fd in its ancillary data). Its first byte says its kind:
   usage chunk), sent at its first tokens and at its end, before the STEP that carries them.
 - STOPPED (writer -> core): a stop string the writer found ended this sequence (its slot):
   the core finishes its request as "stop" and frees its blocks.
+- ERROR (core -> writer): a sequence failed: its slot and the SSE event that says why (the
+  in-process path's `data: {"error": ...}` bytes); it ends there.
 - DONE (writer -> core): a stream is over and its fd closed, with why (DONE_REASONS); the
   core finishes the HTTP response and resumes the connection.
 """
@@ -30,7 +32,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-OPEN, STEP, CLOSE, DONE, STOPPED, USAGE = 1, 2, 3, 4, 5, 6  # a message's first byte
+OPEN, STEP, CLOSE, DONE, STOPPED, USAGE, ERROR = 1, 2, 3, 4, 5, 6, 7  # a message's first byte
 
 # A sequence's finish code in a STEP (0: it goes on) and its OpenAI finish_reason.
 FINISH_REASONS = (None, "stop", "length", "abort", "error")
@@ -43,6 +45,7 @@ DONE_REASONS = ("finished", "client_gone", "stalled", "closed", "error")
 END_ABORTED = 1  # a CLOSE's extra: write the aborted response's last chunks first
 
 _HEAD = struct.Struct("<BII")  # kind, sequences, tokens (STEP); kind, slot, extra (others)
+HEAD_SIZE = _HEAD.size  # bytes before a message's payload
 _LITTLE = sys.byteorder == "little"  # arrays are sent little-endian whatever the host
 
 
@@ -116,6 +119,11 @@ def encode_control(kind: int, slot: int, extra: int = 0) -> bytes:
     DONE_REASONS index) or USAGE (slot: the sequence's, extra: its cached prompt tokens)
     message."""
     return _HEAD.pack(kind, slot, extra)
+
+
+def encode_error(slot: int, event: bytes) -> bytes:
+    """An ERROR message: the failed sequence's slot and its SSE error event."""
+    return _HEAD.pack(ERROR, slot, 0) + event
 
 
 def decode_head(message: bytes) -> tuple[int, int, int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import os
 import socket
@@ -20,12 +21,15 @@ import sys
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from controller.api.errors import APIError, error_body
 from controller.api.writers import frame as fr
 from controller.api.writers.meta import StreamMeta
 from controller.api.writers.worker import receive
+from controller.fleet.engine import NoExecutorError
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,16 @@ class OpenStream:
     done: asyncio.Future  # set to the DONE reason (frame.DONE_REASONS) when the writer ends it
     stopped: set[int] = field(default_factory=set)  # sequences a writer's stop string ended
     on_stop: Callable[[int], None] | None = None  # told each of those, when it comes
+
+
+def error_event(item: Any) -> bytes:
+    """The SSE error event of a failed sequence, as streaming.py's `sse_line` writes it."""
+    if isinstance(item, NoExecutorError):
+        err = APIError(str(item), 503, code="no_healthy_executor")
+    else:
+        err = APIError(getattr(item, "error", "") or str(item), 500)
+    line = f"data: {json.dumps({'error': error_body(err)}, ensure_ascii=False)}\n\n"
+    return line.encode("utf-8", "replace")
 
 
 class TokenSink:
@@ -71,10 +85,12 @@ class TokenSink:
         self.channel.add(self.slot, token_ids, finish_reason)
 
     def put_nowait(self, item) -> None:
-        """An exception or an error delta: the sequence ends "error" (the writer writes its
-        last chunk with that finish reason)."""
-        log.warning("a writer-streamed sequence failed: %s", getattr(item, "error", item))
-        self.put_tokens([], "error")
+        """An exception or an error delta: the sequence ends with the error event the
+        in-process path writes (status 500, or 503 no_healthy_executor)."""
+        if self.started is not None:
+            self.started()
+            self.started = None
+        self.channel.fail(self.slot, error_event(item))
 
 
 class WriterChannel:
@@ -123,6 +139,11 @@ class WriterChannel:
         if slot in self.streams:
             how = fr.END_ABORTED if end_aborted else 0
             self._send(fr.encode_control(fr.CLOSE, slot, how))
+
+    def fail(self, seq: int, event: bytes) -> None:
+        """A sequence failed: its error event, after what this step gathered so far."""
+        self.flush()
+        self._send(fr.encode_error(seq, event))
 
     def usage(self, seq: int, num_cached_tokens: int) -> None:
         """A sequence's cached prompt tokens (sent before this step's frame)."""

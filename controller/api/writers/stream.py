@@ -64,6 +64,18 @@ class WriterStream:
         body = self.chunk(seq, text, token_ids, reason)
         if body:
             self.queue(framed(body))
+        self._end_if_last()
+
+    def fail(self, seq: int, event: bytes) -> None:
+        """A sequence failed: its error event instead of a last chunk (as sse_events writes
+        an error delta), then the end if it was the last."""
+        if seq not in self.open:
+            return
+        self.open.discard(seq)
+        self.queue(framed(event))
+        self._end_if_last()
+
+    def _end_if_last(self) -> None:
         if not self.open and not self.ended:
             self.ended = True
             if self.meta.include_usage:
@@ -78,11 +90,7 @@ class WriterStream:
             if seq in self.open:
                 self.open.discard(seq)
                 self.queue(framed(self.chunk(seq, "", [], "abort")))
-        if not self.ended:
-            self.ended = True
-            if self.meta.include_usage:
-                self.queue(framed(self.usage_event()))
-            self.queue(framed(DONE_EVENT))
+        self._end_if_last()
 
     def usage_event(self) -> bytes:
         """The usage chunk, as the formatters' `usage_chunk` and `sse_line` write it."""

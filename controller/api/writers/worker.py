@@ -102,6 +102,12 @@ class Writer:
         elif kind == fr.OPEN:
             slot, meta = fr.decode_open(data)
             self._open(slot, StreamMeta.from_json(meta), fds)
+        elif kind == fr.ERROR:
+            _, seq, _ = fr.decode_head(data)
+            stream = self.by_seq.get(seq)
+            if stream is not None:
+                stream.fail(seq, bytes(data[fr.HEAD_SIZE :]))
+                self._flush(stream)
         elif kind == fr.USAGE:
             _, seq, cached = fr.decode_head(data)
             stream = self.by_seq.get(seq)

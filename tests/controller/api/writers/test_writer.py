@@ -210,6 +210,28 @@ def test_an_aborted_response_ends_as_in_process(tok, usage):
     thread.join(10)
 
 
+def test_an_error_ends_its_sequence_with_the_error_event(tok):
+    """Two sequences: one fails (ERROR: its event, no last chunk), the other goes on; [DONE]
+    after both, as sse_events writes an error delta."""
+    core, thread = _threaded_writer(tok)
+    meta = StreamMeta(META.id, "text_completion", 0, "m", "completion", [31, 32])
+    client = core.open(1, meta)
+    event = b'data: {"error": {"message": "boom"}}\n\n'
+    core.control.send(fr.encode_error(31, event))
+    builder = fr.StepBuilder()
+    builder.add(31, [5])  # after its error: dropped
+    builder.add(32, tok.backend.encode(" hi").ids, "length")
+    core.step(builder)
+    got = _read_all(client)
+    parts = got.split(b"\r\n")
+    assert parts[1] == event
+    assert b'"index": 1, "text": " hi"' in parts[3] and b'"finish_reason": "length"' in parts[3]
+    assert parts[5] == b"data: [DONE]\n\n" and len(parts) == 7
+    assert core.replies(1) == [(fr.DONE, 1, 0)]
+    core.control.close()
+    thread.join(10)
+
+
 def test_a_stop_string_ends_the_sequence_and_tells_the_core(tok):
     core, thread = _threaded_writer(tok)
     meta = StreamMeta(META.id, "text_completion", META.created, META.model, "completion", [7])
