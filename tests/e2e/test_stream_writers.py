@@ -283,3 +283,22 @@ def test_sigterm_ends_writer_streams_as_aborted(default_model_dir, tmp_path):
         assert s.controller.wait(timeout=30) == 0
     finally:
         s.stop()
+
+
+def test_a_stalled_client_is_cut_and_its_blocks_freed(writer_server):
+    """A client that stops reading a writer's stream: past --stream-stall-timeout (10 s here)
+    the writer ends it, the requests are aborted and their blocks freed while the client's
+    socket is still open."""
+    s = writer_server
+    port = int(s.base_url.rsplit(":", 1)[1])
+    body = {"prompt": PROMPT, "n": 16, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    stalled = _streams(s, "stalled")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    try:
+        _raw_request(sock, port, body)  # and never read
+        wait_until(lambda: _streams(s, "stalled") == stalled + 1, 120, "the stall cut")
+        assert_no_blocks_in_use(s)
+    finally:
+        sock.close()
