@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import httpx
 
@@ -99,6 +99,9 @@ class PointResult:
     # Kernel time's share of the controller's CPU: its socket writes (on loopback the kernel
     # runs the receiver's TCP path inside the sender's call) and its gRPC calls.
     controller_sys_share: float = 0.0
+    stream_writers: int = 0  # the controller's --stream-writers
+    writer_cpu_util: float = 0.0  # the stream writer processes' CPU / wall seconds, summed
+    writer_us_per_token: float = 0.0  # their CPU microseconds per sampled token
 
 
 def cpu_times(pid: int) -> tuple[float, float]:
@@ -112,6 +115,25 @@ def cpu_times(pid: int) -> tuple[float, float]:
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process so far."""
     return sum(cpu_times(pid))
+
+
+def writer_pids(controller_pids: list[int]) -> list[int]:
+    """The stream writer processes the controllers started (--stream-writers)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid not in controller_pids:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"controller.api.writers.worker" in f.read():
+                    pids.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
 
 
 def run_queue_seconds(pid: int) -> float:
@@ -148,6 +170,7 @@ def snapshot(
     totals["sys_cpu"] = sum(cpu_times(pid)[1] for pid in controller_pids)
     totals["runq"] = sum(run_queue_seconds(pid) for pid in controller_pids)
     totals["load_cpu"] = cpu_seconds(load_pid)
+    totals["writer_cpu"] = sum(cpu_seconds(pid) for pid in writer_pids(controller_pids))
     totals["wall"] = time.perf_counter()
     return totals
 
@@ -160,6 +183,7 @@ def measure(
     running_at_end: int,
     stream: bool,
     controllers: int = 1,
+    writers: int = 0,
 ) -> PointResult:
     """The PointResult of the window between two snapshots."""
     d = {k: after[k] - before[k] for k in before}
@@ -186,10 +210,15 @@ def measure(
         load_cpu_util=d["load_cpu"] / wall,
         load_us_per_token=1e6 * d["load_cpu"] / tokens,
         controller_sys_share=d.get("sys_cpu", 0.0) / max(d["cpu"], 1e-9),
+        stream_writers=writers,
+        writer_cpu_util=d.get("writer_cpu", 0.0) / wall,
+        writer_us_per_token=1e6 * d.get("writer_cpu", 0.0) / tokens,
     )
 
 
-def controller_args(a: argparse.Namespace, ports: list[int], running: int) -> list[str]:
+def controller_args(
+    a: argparse.Namespace, ports: list[int], running: int, writers: int = 0
+) -> list[str]:
     """Controller flags for one point: room for every request in a step and in the KV pool."""
     executors = len(ports)
     per_executor = math.ceil(running / executors * 1.25) + 4
@@ -208,6 +237,8 @@ def controller_args(a: argparse.Namespace, ports: list[int], running: int) -> li
     ]
     for port in ports:
         args += ["--executor", f"127.0.0.1:{port}"]
+    if writers:
+        args += ["--stream-writers", str(writers)]
     return args + a.controller_args.split()
 
 
@@ -220,10 +251,12 @@ def run_point(
     vocab: int,
     stream: bool = False,
     controllers: int = 1,
+    writers: int = 0,
 ) -> PointResult:
     """Start the controllers on the running sims, load them, measure the window, stop them."""
-    name = f"controller-{len(ports)}x{running}x{controllers}{'-stream' if stream else ''}"
-    servers = start_controllers(a.model, tmp, controller_args(a, ports, running), controllers, name)
+    name = f"controller-{len(ports)}x{running}x{controllers}{'-stream' if stream else ''}w{writers}"
+    args = controller_args(a, ports, running, writers)
+    servers = start_controllers(a.model, tmp, args, controllers, name)
     try:
         wait_divided(servers, len(ports), a.settle_timeout, tmp)
         spec = LoadSpec(
@@ -235,7 +268,8 @@ def run_point(
             vocab,
             stream,
         )
-        return drive(a, servers, spec, len(ports), metric_ports, tmp)
+        point = drive(a, servers, spec, len(ports), metric_ports, tmp)
+        return replace(point, stream_writers=writers)
     finally:
         stop_all(servers)
 
@@ -360,7 +394,7 @@ def format_table(points: list[PointResult]) -> str:
         f"{'steps/s':>8} "
         f"{'tok/s':>8} {'batch':>6} {'ctl_cpu%':>8} {'ctl_wait%':>9} {'cpu_ms/step':>11} "
         f"{'cpu_us/tok':>10} {'B/req/decode':>12} {'load_cpu%':>9} {'load_us/tok':>11} "
-        f"{'ctl_sys%':>8}"
+        f"{'ctl_sys%':>8} {'writers':>7} {'wr_cpu%':>7} {'wr_us/tok':>9}"
     )
     rows = [head]
     for p in points:
@@ -372,7 +406,8 @@ def format_table(points: list[PointResult]) -> str:
             f"{100 * p.controller_wait_frac:>9.1f} "
             f"{p.cpu_ms_per_step:>11.3f} {p.cpu_us_per_token:>10.1f} "
             f"{p.bytes_per_request_decode:>12.1f} {100 * p.load_cpu_util:>9.1f} "
-            f"{p.load_us_per_token:>11.1f} {100 * p.controller_sys_share:>8.1f}"
+            f"{p.load_us_per_token:>11.1f} {100 * p.controller_sys_share:>8.1f} "
+            f"{p.stream_writers:>7} {100 * p.writer_cpu_util:>7.1f} {p.writer_us_per_token:>9.1f}"
         )
     return "\n".join(rows)
 
@@ -397,6 +432,16 @@ def format_ratios(points: list[PointResult]) -> str:
 def stream_modes(choice: str) -> list[bool]:
     """--stream's modes: streamed (True), non-streamed (False), or both, non-streamed first."""
     return {"no": [False], "yes": [True], "both": [False, True]}[choice]
+
+
+def point_modes(a: argparse.Namespace) -> list[tuple[bool, int]]:
+    """(streamed, stream writers) per point: each --stream-writers count for streamed points
+    (they write only streams), none for non-streamed ones."""
+    modes = []
+    for stream in stream_modes(a.stream):
+        for writers in a.stream_writers if stream else [0]:
+            modes.append((stream, writers))
+    return modes
 
 
 def _ints(text: str) -> list[int]:
@@ -463,6 +508,12 @@ def main(argv=None) -> None:
         help="the load generator's requests streamed (SSE, read as they come), or both modes",
     )
     p.add_argument(
+        "--stream-writers",
+        type=_ints,
+        default=[0],
+        help="the controller's --stream-writers for streamed points, comma-separated (e.g. 0,2)",
+    )
+    p.add_argument(
         "--py-spy", default="", help="record the controller with py-spy into this folder"
     )
     p.add_argument("--json", default="", help="write the results here")
@@ -479,9 +530,17 @@ def main(argv=None) -> None:
                     for controllers in a.controllers:
                         if running < count or count < controllers:
                             continue
-                        for stream in stream_modes(a.stream):
+                        for stream, writers in point_modes(a):
                             point = run_point(
-                                a, tmp, ports, metric_ports, running, vocab, stream, controllers
+                                a,
+                                tmp,
+                                ports,
+                                metric_ports,
+                                running,
+                                vocab,
+                                stream,
+                                controllers,
+                                writers,
                             )
                             points.append(point)
                             print(

@@ -15,6 +15,7 @@ from controller.api.http_server import HTTPCollector, uvicorn_config
 from controller.api.server import create_app
 from controller.api.serving import OpenAIServing
 from controller.api.shutdown import GracefulServer
+from controller.api.writers.pool import WriterPool
 from controller.fleet.engine import Engine
 from controller.settings import ControllerConfig
 from controller.text.tokenizer import Tokenizer
@@ -48,8 +49,22 @@ def build_server(config: ControllerConfig, model_dir: str = "") -> GracefulServe
         AdmissionLimits(config.max_queued_requests, config.max_queued_tokens, config.retry_after)
     )
     forwarder = Forwarder(config, engine.peers, engine.metrics.registry)
+    writers = None
+    if config.stream_writers:
+        writers = WriterPool(
+            config.stream_writers,
+            str(model_dir or config.model),
+            config.stream_stall_timeout,
+            engine.metrics.registry,
+        )
     serving = OpenAIServing(
-        engine, tokenizer, config.served_model_name, config.max_logprobs, admission, forwarder
+        engine,
+        tokenizer,
+        config.served_model_name,
+        config.max_logprobs,
+        admission,
+        forwarder,
+        writers,
     )
     http_stats = HTTPStats()
     engine.metrics.registry.register(HTTPCollector(http_stats))

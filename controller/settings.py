@@ -147,6 +147,16 @@ class ControllerConfig(ModelSourceSettings, LimitSettings, AffinitySettings):
         group=HTTP,
         ge=0,
     )
+    # Streamed responses' chunks can be detokenized, formatted and written by processes of
+    # their own, so that the socket writes and the per-token text leave the scheduling core.
+    stream_writers: int = setting(
+        0,
+        "stream writer processes that write streamed responses to plain-TCP clients (0 = the "
+        "controller's own process writes them; docs/design/stream_writers.md)",
+        group=HTTP,
+        ge=0,
+        le=64,
+    )
     # Shutdown: on SIGTERM admit nothing, let responses finish this long, then abort the rest.
     shutdown_grace: float = setting(
         30.0,

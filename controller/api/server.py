@@ -34,7 +34,12 @@ def create_app(
     async def lifespan(app: FastAPI):
         if start_engine:
             await engine.start()
+        writers = getattr(serving, "writers", None)
+        if writers is not None and not writers.started:
+            writers.start()  # their tokenizers load while the fleet connects
         yield
+        if writers is not None:
+            writers.stop()
         if start_engine:
             await engine.stop()
         if serving.forwarder is not None:

@@ -46,6 +46,7 @@ from controller.api.streaming import (
 )
 from controller.api.tool_output import tool_policy
 from controller.api.waiting import wait_for_executor
+from controller.api.writers.pool import WriterPool
 from controller.fleet.engine import Engine
 from controller.text.grammar import GrammarCompiler
 from controller.text.text_bound import chars_per_token_bound, text_limit
@@ -71,8 +72,10 @@ class OpenAIServing:
         max_logprobs: int,
         admission: Admission | None = None,
         forwarder: Forwarder | None = None,
+        writers: WriterPool | None = None,
     ):
         self.engine = engine  # the engine
+        self.writers = writers  # stream writer processes (None: streams are written here)
         self.tokenizer = tokenizer  # the model's tokenizer
         self.model_name = model_name  # served name
         self.admission = admission or Admission(AdmissionLimits())  # queue bounds, shutdown
@@ -265,7 +268,14 @@ class OpenAIServing:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = sse_events(
-                self.engine, gens, fmt.stream_chunk, fmt, include_usage, ticket, queue
+                self.engine,
+                gens,
+                fmt.stream_chunk,
+                fmt,
+                include_usage,
+                ticket,
+                queue,
+                self.writers,
             )
             return TicketedStream(
                 ticket,

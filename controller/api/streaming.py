@@ -25,6 +25,8 @@ from controller.api.deltas import DeltaQueue
 from controller.api.direct_write import direct_write_of
 from controller.api.errors import APIError, error_body
 from controller.api.stall import ClientStalled, StallBoundedStream, close_guard, guarded
+from controller.api.writers.handoff import plain_socket, stream_meta, writer_events
+from controller.api.writers.pool import WriterPool
 from controller.core.outputs import GenerationRequest, OutputDelta
 from controller.fleet.engine import Engine, NoExecutorError
 
@@ -111,8 +113,10 @@ def sse_events(
     include_usage: bool,
     ticket: Ticket,
     queue: DeltaQueue,
+    writers: WriterPool | None = None,
 ) -> AsyncIterator[bytes]:
-    """The server-sent events of a streamed response, ``data: [DONE]`` last."""
+    """The server-sent events of a streamed response, ``data: [DONE]`` last (by a stream
+    writer process, when `writers` has some and the response and connection let one)."""
     choices = [Choice(index=i, prompt_index=i // max(1, fmt.n)) for i in range(len(gens))]
 
     def direct(i: int, d: OutputDelta) -> bool:
@@ -139,6 +143,11 @@ def sse_events(
             return False
 
     async def events() -> AsyncIterator[bytes]:
+        handed = handed_off(writers, engine, gens, fmt, include_usage, ticket, queue)
+        if handed is not None:
+            async for part in handed:
+                yield part
+            return
         try:
             async with contextlib.aclosing(run_sequences(engine, gens, ticket, queue)) as deltas:
                 for prelude in fmt.stream_prelude(len(gens), include_usage):
@@ -168,6 +177,33 @@ def sse_events(
         yield b"data: [DONE]\n\n"
 
     return events()
+
+
+def handed_off(
+    writers: WriterPool | None,
+    engine: Engine,
+    gens: list[GenerationRequest],
+    fmt,
+    include_usage: bool,
+    ticket: Ticket,
+    queue: DeltaQueue,
+) -> AsyncIterator[bytes] | None:
+    """The body of a response a stream writer writes; None when it stays here (no writers,
+    TLS, logprobs, tools, echo: docs/design/stream_writers.md)."""
+    if writers is None:
+        return None
+    conn = queue.connection
+    fd = plain_socket(conn)
+    if fd is None or conn is None:
+        return None
+    events = fmt.stream_prelude(len(gens), include_usage)
+    prelude = [sse_line(p).decode("utf-8") for p in events]
+    meta = stream_meta(fmt, gens, [writers.new_slot() for _ in gens], prelude, include_usage)
+    if meta is None:
+        return None
+    if not writers.started:
+        writers.start()
+    return writer_events(writers, engine, gens, meta, fd, conn, ticket, queue)
 
 
 class TicketedStream(StallBoundedStream):

@@ -262,13 +262,14 @@ class Engine(Maintenance, Membership):
             self._place_or_wait(tracked)
         return tracked
 
-    def abort(self, tracked: Tracked) -> None:
-        """End a request its reader gave up on (its blocks go back); nothing if it is over."""
+    def abort(self, tracked: Tracked, reason: str = "abort") -> None:
+        """End a request its reader gave up on (its blocks go back; `reason` "stop": a stream
+        writer found a stop string); nothing if it is over."""
         session = self.sessions.get(tracked.placed_on) if tracked.placed_on else None
         if session is not None:
-            session.abort(tracked)
+            session.abort(tracked, reason)
         elif self.waiting.pop(tracked.gen.request_id, None) is not None:
-            count_finished(self.metrics, "abort", tracked)
+            count_finished(self.metrics, reason, tracked)
 
     def _place_or_fail(
         self, tracked: Tracked, exclude: str | None = None, startable_only: bool = False

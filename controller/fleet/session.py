@@ -353,15 +353,15 @@ class ExecutorSession(SessionView, StepLoop, Handover):
             self.scheduler.finish_requests([tracked.gen.request_id], "abort")
         self.tracked.remove(tracked)
 
-    def abort(self, tracked: Tracked) -> None:
-        """The client went away: finish the request and free its blocks."""
+    def abort(self, tracked: Tracked, reason: str = "abort") -> None:
+        """The client went away (or, `reason` "stop", a stream writer found a stop string):
+        finish the request and free its blocks."""
         if tracked.gen.request_id not in self.tracked:
             return
         if self.scheduler is not None:
-            self.scheduler.finish_requests([tracked.gen.request_id], "abort")
+            self.scheduler.finish_requests([tracked.gen.request_id], reason)
         self.tracked.remove(tracked)
-        log.info(
-            "request %s aborted (client gone)", tracked.gen.request_id, extra=tracked.log_extra
-        )
-        count_finished(self.metrics, "abort", tracked, series=self.series)
+        why = "client gone" if reason == "abort" else f"{reason}, by its stream writer"
+        log.info("request %s aborted (%s)", tracked.gen.request_id, why, extra=tracked.log_extra)
+        count_finished(self.metrics, reason, tracked, series=self.series)
         self._wake.set()

@@ -209,6 +209,9 @@ class StepLoop:
             if tracked.lost_at:
                 metrics.failover_resumed(series, now - tracked.lost_at)
                 tracked.lost_at = 0.0
+        if tracked.tokens_only and not update.error:
+            self._emit_tokens(tracked, update, now, series)
+            return
         if hold_quietly(tracked, update):
             return
         delta = make_delta(tracked, update)
@@ -220,3 +223,19 @@ class StepLoop:
             self.tracked.remove(tracked)
             count_finished(self.metrics, delta.finish_reason, tracked, now, series)
             self.owner.request_done(tracked, delta.finish_reason, self.address, now)
+
+    def _emit_tokens(
+        self, tracked: Tracked, update: RequestUpdate, now: float, series: ExecutorSeries
+    ) -> None:
+        """A tokens-only request's update: its raw ids to its sink (a stream writer's)."""
+        reason = update.finish_reason if update.finished else None
+        req = tracked.request
+        if tracked.num_moves == 0 and req is not None:  # as make_delta counts it
+            tracked.num_cached_tokens = min(req.num_cached_tokens, req.num_prompt_tokens)
+        sink = tracked.queue
+        sink.put_tokens(update.new_token_ids, reason, tracked.num_cached_tokens)  # type: ignore[attr-defined]
+        tracked.delivered = True
+        if update.finished:
+            self.tracked.remove(tracked)
+            count_finished(self.metrics, reason, tracked, now, series)
+            self.owner.request_done(tracked, reason, self.address, now)

@@ -27,13 +27,28 @@ class DeltaSink(Protocol):
         """Take a delta, or the exception that ends the request (NoExecutorError)."""
 
 
+class TokenSink(DeltaSink, Protocol):
+    """A sink that takes each step's raw token ids (`takes_tokens` true): a stream writer
+    process detokenizes and formats them (controller/api/writers/), so the step loop builds
+    neither text nor a delta. Failures still come as `put_nowait` (an error delta or an
+    exception)."""
+
+    takes_tokens: bool  # True: the step loop calls `put_tokens`
+
+    def put_tokens(
+        self, token_ids: list[int], finish_reason: str | None, num_cached_tokens: int
+    ) -> None:
+        """A step's new token ids, the finish reason when the request ended there, and its
+        prompt tokens served from the prefix cache (for the usage chunk)."""
+
+
 @dataclass(eq=False)
 class Tracked:
     """Engine-side state of one generation request, wherever it runs."""
 
     gen: GenerationRequest  # what the API asked for
     queue: DeltaSink  # OutputDelta items (or an exception) for the API handler
-    text: OutputTextState  # incremental detokenizer + stop strings
+    text: OutputTextState | None  # incremental detokenizer + stop strings (None: tokens_only)
     request: Request | None  # the scheduler's request (a new one on every placement)
     arrival: InitVar[float]  # perf_counter at arrival (kept in `stats`)
     arrival_time: float = field(default_factory=time.monotonic)  # kept across moves (FCFS)
@@ -56,6 +71,7 @@ class Tracked:
     # add tokens without building a delta (see `hold_quietly`)
     unsent_tokens: int = 0  # tokens no delta carried yet (the tail of the request's output)
     stats: RequestStats = field(init=False)  # its timings for the latency metrics
+    tokens_only: bool = False  # its sink takes raw token ids (TokenSink): no text, no delta
 
     def __post_init__(self, arrival: float) -> None:
         self.stats = RequestStats(arrival, len(self.gen.prompt_token_ids))
@@ -75,6 +91,10 @@ class Tracked:
 def track(gen: GenerationRequest, tokenizer: Tokenizer, sink: DeltaSink | None = None) -> Tracked:
     """A new request's state: its sink to the API handler (a new asyncio.Queue by default),
     its detokenizer, its arrival."""
+    if getattr(sink, "takes_tokens", False):
+        tracked = Tracked(gen=gen, queue=sink, text=None, request=None, arrival=time.perf_counter())
+        tracked.tokens_only = True
+        return tracked
     return Tracked(
         gen=gen,
         queue=sink if sink is not None else asyncio.Queue(),
@@ -158,7 +178,9 @@ def make_delta(tracked: Tracked, update: RequestUpdate) -> OutputDelta:
             -(tracked.unsent_tokens + len(new_token_ids)) :
         ]
         tracked.unsent_tokens = 0
-    text, stopped = tracked.text.update(new_token_ids, finished)
+    text, stopped = (
+        tracked.text.update(new_token_ids, finished) if tracked.text is not None else ("", False)
+    )
     if stopped and not finished:
         finished, reason = True, "stop"
     prompt_lps = update.prompt_logprobs or None
