@@ -4,10 +4,28 @@ own because the limits are one concern with many fields."""
 
 from __future__ import annotations
 
+import re
+
 from common.settings import TandemSettings, setting
 
 LIMITS = "limits: admission control and request size"
 REQUEST_LIMITS = "request limits: what one request may ask for"
+_LIMIT_SPEC = re.compile(r"[^=,]+=\d+(,\d+)?")
+
+
+def limit_specs(values: list[str]) -> list[str]:
+    """KIND=TOKENS[,SEQS] specs from --executor-limits values. A variable or config value may
+    hold several at once (tpu=64,8,gpu=512): a comma item with '=' starts the next one."""
+    specs: list[str] = []
+    for item in ",".join(values).split(",") if values else []:
+        if "=" in item or not specs:
+            specs.append(item.strip())
+        else:
+            specs[-1] += "," + item.strip()
+    for spec in specs:
+        if not _LIMIT_SPEC.fullmatch(spec):
+            raise ValueError(f"{spec!r}: expected KIND=TOKENS[,SEQS]")
+    return specs
 
 
 class LimitSettings(TandemSettings):

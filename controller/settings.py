@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import socket
 from typing import Literal
 
@@ -14,7 +13,7 @@ from common.hub.settings import ModelSourceSettings
 from common.settings import SettingError, derived, setting
 from common.wire.rpc_token import read_token
 from controller.affinity_settings import AffinitySettings
-from controller.limit_settings import LimitSettings
+from controller.limit_settings import LimitSettings, limit_specs
 
 DEFAULT_EXECUTOR = "127.0.0.1:50051"  # the executor of a controller given no other
 API_KEY_ENV = "TANDEM_API_KEY"  # one more accepted API key (besides --api-key, --api-key-file)
@@ -26,22 +25,6 @@ ADMIN = "admin: who may read /admin/* (executor addresses and details)"
 HTTP = "HTTP server: connection limits and read timeouts"
 TLS = "TLS: HTTPS for clients, TLS/mTLS and a token to executors"
 PEERS = "peers: other controllers, dividing the executors between the live ones"
-_LIMIT_SPEC = re.compile(r"[^=,]+=\d+(,\d+)?")
-
-
-def _limit_specs(values: list[str]) -> list[str]:
-    """KIND=TOKENS[,SEQS] specs from --executor-limits values. A variable or config value may
-    hold several at once (tpu=64,8,gpu=512): a comma item with '=' starts the next one."""
-    specs: list[str] = []
-    for item in ",".join(values).split(",") if values else []:
-        if "=" in item or not specs:
-            specs.append(item.strip())
-        else:
-            specs[-1] += "," + item.strip()
-    for spec in specs:
-        if not _LIMIT_SPEC.fullmatch(spec):
-            raise ValueError(f"{spec!r}: expected KIND=TOKENS[,SEQS]")
-    return specs
 
 
 class ControllerConfig(ModelSourceSettings, LimitSettings, AffinitySettings):
@@ -350,7 +333,7 @@ class ControllerConfig(ModelSourceSettings, LimitSettings, AffinitySettings):
     @field_validator("executor_limits")
     @classmethod
     def _check_limits(cls, values: list[str]) -> list[str]:
-        return _limit_specs(values)
+        return limit_specs(values)
 
     @model_validator(mode="after")
     def _derive_kind_limits(self) -> ControllerConfig:
