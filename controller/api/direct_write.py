@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from controller.api.sse import framed
+
 EXTENSION = "tandem.direct_write"  # the ASGI scope extension naming the request's DirectWrite
 
 
@@ -45,7 +47,7 @@ class DirectWrite:
 
     def write(self, body: bytes) -> None:
         """One chunk of the body, framed as uvicorn frames a ``more_body`` message's."""
-        self.cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        self.cycle.transport.write(framed(body))
 
 
 def direct_write_of(scope: dict) -> DirectWrite | None:

@@ -64,3 +64,9 @@ class ChunkTemplate:
         tail = self.tails[include_usage]
         line = f'{self.head}{body}, "finish_reason": {reason}{ids}{tail}'
         return line.encode("utf-8", "replace")
+
+
+def framed(body: bytes) -> bytes:
+    """One HTTP/1.1 chunk of a chunked body, framed as uvicorn frames a ``more_body``
+    message's: what the direct write and the stream writers put on the socket."""
+    return b"%x\r\n%b\r\n" % (len(body), body)

@@ -7,18 +7,12 @@ import json
 import socket
 import time
 
-from controller.api.sse import ChunkTemplate
+from controller.api.sse import ChunkTemplate, framed
 from controller.api.writers.meta import StreamMeta
 from controller.text.detokenizer import OutputTextState
 from controller.text.tokenizer import Tokenizer
 
 DONE_EVENT = b"data: [DONE]\n\n"
-
-
-def framed(body: bytes) -> bytes:
-    """One HTTP/1.1 chunk, framed as uvicorn frames a ``more_body`` message's (and as
-    direct_write.py writes one)."""
-    return b"%x\r\n%b\r\n" % (len(body), body)
 
 
 class WriterStream:
