@@ -229,9 +229,7 @@ class StepLoop:
     ) -> None:
         """A tokens-only request's update: its raw ids to its sink (a stream writer's)."""
         reason = update.finish_reason if update.finished else None
-        req = tracked.request
-        if tracked.num_moves == 0 and req is not None:  # as make_delta counts it
-            tracked.num_cached_tokens = min(req.num_cached_tokens, req.num_prompt_tokens)
+        tracked.note_cache_hit()
         sink = tracked.queue
         sink.put_tokens(update.new_token_ids, reason, tracked.num_cached_tokens)  # type: ignore[attr-defined]
         tracked.delivered = True

@@ -73,6 +73,13 @@ class Tracked:
     stats: RequestStats = field(init=False)  # its timings for the latency metrics
     tokens_only: bool = False  # its sink takes raw token ids (TokenSink): no text, no delta
 
+    def note_cache_hit(self) -> None:
+        """Keep the prompt's prefix-cache hit for usage: where the request started (a moved
+        request reports its first placement's hit)."""
+        req = self.request
+        if self.num_moves == 0 and req is not None:
+            self.num_cached_tokens = min(req.num_cached_tokens, req.num_prompt_tokens)
+
     def __post_init__(self, arrival: float) -> None:
         self.stats = RequestStats(arrival, len(self.gen.prompt_token_ids))
 
@@ -190,8 +197,7 @@ def make_delta(tracked: Tracked, update: RequestUpdate) -> OutputDelta:
         tracked.prompt_logprobs_skip -= skip
     tracked.prompt_logprobs_sent += len(prompt_lps or ())
     req = tracked.request
-    if tracked.num_moves == 0:  # usage reports the prompt's hit where the request started
-        tracked.num_cached_tokens = min(req.num_cached_tokens, req.num_prompt_tokens)
+    tracked.note_cache_hit()
     # Positional, in the field order: a keyword call costs several times more, per token.
     return OutputDelta(
         update.request_id,
