@@ -24,7 +24,6 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 from benchmarks.gpu_kernels import BLOCK, event_median_ms, fabricated_meta  # noqa: E402
 from common.host.settings import ExecutorConfig  # noqa: E402
@@ -146,7 +145,6 @@ def measure(shape: str, size: int, batches: list[int], context: int) -> list[dic
             times[n] = time_decode(runner, batches, context)
             if runner.ranks is not None:
                 runner.ranks.close()
-                dist.destroy_process_group()
             torch.set_num_threads(threads)
     return [
         {

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -77,6 +78,14 @@ def follower_main(config: ExecutorConfig, rank: int, rendezvous: Rendezvous) -> 
     log.info("rank %d of %d on %s", rank, tp.size, device)
     with torch.inference_mode():
         Follower(runner, control).serve()
+    dist.destroy_process_group()  # told to stop: leave the group before the process ends
+    # End without the interpreter's teardown: destroying torch's C++ state after the group
+    # can abort on a gloo thread still joinable ("terminate called without an active
+    # exception"); this rank has nothing left to flush but its logs.
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class Follower:

@@ -214,15 +214,26 @@ class RankGroup:
                     self.rank_lost(f"rank {rank} (pid {process.pid}) exited: {process.exitcode}")
             time.sleep(_WATCH_INTERVAL)
 
-    def close(self) -> None:
-        """Stop the followers (a clean shutdown)."""
+    def close(self, timeout: float = 10.0) -> None:
+        """A clean shutdown: the followers are told to stop and leave the group themselves,
+        then rank 0 leaves it. A follower still running after ``timeout`` seconds is killed.
+        (Killing live peers first and then tearing down gloo's group raced with gloo's own
+        threads: the process could abort in teardown.)"""
         if self._closing:
             return
-        self._closing = True
+        self._closing = True  # a failure from here on is not a lost rank
+        try:
+            self.call("stop")
+        except Exception as exc:  # a follower already gone: it is killed below
+            log.warning("tensor-parallel followers did not stop cleanly: %r", exc)
         for process in self.processes:
-            process.kill()
+            process.join(timeout=timeout)
         for process in self.processes:
-            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def collective_guard(group: RankGroup, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -16,7 +16,6 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import torch.distributed as dist  # noqa: E402
 
 from common.host.settings import ExecutorConfig  # noqa: E402
 from common.torch.input_batch import InputBatch, RequestState, ScheduledRow  # noqa: E402
@@ -56,7 +55,6 @@ def _start(path: str, size: int) -> GPUModelRunner:
 def _stop(runner: GPUModelRunner) -> None:
     assert runner.ranks is not None
     runner.ranks.close()
-    dist.destroy_process_group()
 
 
 def _logits(model, state: RequestState, computed: int, count: int) -> torch.Tensor:
