@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -24,6 +23,7 @@ from controller.api.choice import Choice
 from controller.api.deltas import DeltaQueue
 from controller.api.direct_write import direct_write_of
 from controller.api.errors import APIError, error_body
+from controller.api.sse import sse_line
 from controller.api.stall import ClientStalled, StallBoundedStream, close_guard, guarded
 from controller.api.writers.handoff import plain_socket, stream_meta, writer_events
 from controller.api.writers.pool import WriterPool
@@ -243,11 +243,6 @@ class GuardedJSONResponse(JSONResponse):
             log.warning("%s: the response is dropped", stalled)
         finally:
             close_guard(guard)
-
-
-def sse_line(body: dict) -> bytes:
-    """One SSE event. Bytes, encoded here: nothing unencodable can fail the stream."""
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode("utf-8", "replace")
 
 
 def client_closed() -> Response:

@@ -50,11 +50,9 @@ def stream_meta(
     include_usage: bool,
 ) -> StreamMeta | None:
     """What the writer needs to format this response's chunks; None when the response is not
-    one a writer formats yet (logprobs, an echoed prompt, tools, prompt logprobs)."""
+    one a writer formats yet (tools, prompt logprobs)."""
     chat = isinstance(fmt, ChatFormatter)
-    if chat and (fmt.logprobs or fmt._tool_stream is not None):
-        return None
-    if not chat and (fmt.logprobs is not None or fmt.echo):
+    if chat and fmt._tool_stream is not None:
         return None
     if any(g.sampling.prompt_logprobs is not None for g in gens):
         return None
@@ -76,7 +74,17 @@ def stream_meta(
         prelude=prelude,
         include_usage=include_usage,
         prompt_tokens=prompt_tokens,
+        logprobs=bool(fmt.logprobs) if chat else fmt.logprobs is not None,
+        echo=_echo_texts(fmt, len(gens)),
     )
+
+
+def _echo_texts(fmt: Any, count: int) -> list[str]:
+    """Each sequence's prompt text when a completion echoes it (choice i answers prompt
+    i // n), else nothing."""
+    if isinstance(fmt, ChatFormatter) or not fmt.echo:
+        return []
+    return [fmt._prompt_text(fmt.prompts[i // max(1, fmt.n)]) for i in range(count)]
 
 
 async def writer_events(

@@ -23,6 +23,9 @@ class StreamMeta:
     stop: list[str] = field(default_factory=list)  # stop strings the writer looks for
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text
     prelude: list[str] = field(default_factory=list)  # SSE events written first (chat's role)
+    logprobs: bool = False  # the chunks carry the tokens' logprobs (the STEPs bring them)
+    echo: list[str] = field(default_factory=list)  # completions' echo: each sequence's prompt
+    # text, prepended to its first chunk (empty: no echo)
 
     def to_json(self) -> dict[str, Any]:
         """The meta as the OPEN message carries it."""

@@ -25,10 +25,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from common.wire.step_types import TokenLogprobs
 from controller.api.errors import APIError, error_body
 from controller.api.writers import frame as fr
 from controller.api.writers.meta import StreamMeta
-from controller.api.writers.worker import receive
+from controller.api.writers.worker import MAX_MESSAGE, receive
 from controller.fleet.engine import NoExecutorError
 
 log = logging.getLogger(__name__)
@@ -72,17 +73,22 @@ class TokenSink:
         self.started = started  # called at its first output (it stops counting as queued)
 
     def put_tokens(
-        self, token_ids: list[int], finish_reason: str | None, num_cached_tokens: int = 0
+        self,
+        token_ids: list[int],
+        finish_reason: str | None,
+        num_cached_tokens: int = 0,
+        logprobs: list[TokenLogprobs] | None = None,
     ) -> None:
         """A step's new ids for the sequence (and its end; its prompt's cache hit, for the
-        usage chunk, is sent with its first tokens and its end)."""
+        usage chunk, is sent with its first tokens and its end; its tokens' logprobs, when
+        it asked for them)."""
         if self.started is not None:
             self.started()
             self.started = None
             self.channel.usage(self.slot, num_cached_tokens)
         elif finish_reason is not None:
             self.channel.usage(self.slot, num_cached_tokens)
-        self.channel.add(self.slot, token_ids, finish_reason)
+        self.channel.add(self.slot, token_ids, finish_reason, logprobs)
 
     def put_nowait(self, item) -> None:
         """An exception or an error delta: the sequence ends with the error event the
@@ -149,18 +155,25 @@ class WriterChannel:
         """A sequence's cached prompt tokens (sent before this step's frame)."""
         self._send(fr.encode_control(fr.USAGE, seq, num_cached_tokens))
 
-    def add(self, seq: int, token_ids: list[int], finish_reason: str | None) -> None:
+    def add(
+        self,
+        seq: int,
+        token_ids: list[int],
+        finish_reason: str | None,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> None:
         """A sequence's step, into this step's frame (sent once, after the step's updates)."""
-        self.builder.add(seq, token_ids, finish_reason)
+        self.builder.add(seq, token_ids, finish_reason, logprobs)
         if not self.flush_due and self.loop is not None:
             self.flush_due = True
             self.loop.call_soon(self.flush)
 
     def flush(self) -> None:
-        """Send the step's frame."""
+        """Send the step's frame (several, when it is larger than a writer reads at once)."""
         self.flush_due = False
         if len(self.builder):
-            self._send(self.builder.take())
+            for message in self.builder.take_all(MAX_MESSAGE):
+                self._send(message)
 
     def _send(self, message: bytes, fds: list[int] | None = None) -> None:
         if self.pending or not self._try_send(message, fds or []):

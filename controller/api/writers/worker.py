@@ -19,6 +19,7 @@ import socket
 import time
 from array import array
 
+from controller.api.formats import TokenText
 from controller.api.writers import frame as fr
 from controller.api.writers.meta import StreamMeta
 from controller.api.writers.stream import WriterStream
@@ -61,6 +62,7 @@ class Writer:
         self.selector.register(control, selectors.EVENT_READ, None)
         self.running = True  # False once the core's end closed
         self.buffer = memoryview(bytearray(MAX_MESSAGE))  # every message is read into it
+        self.token_text = TokenText(tokenizer)  # single tokens' text, for every stream's logprobs
 
     def run(self) -> None:
         """Serve until the core goes away."""
@@ -90,6 +92,8 @@ class Writer:
             except ValueError:
                 log.exception("a message from the core was lost")
                 continue
+            except OSError:  # reset: the core exited with our replies unread
+                data = b""
             if not data:
                 self.running = False
                 return
@@ -132,7 +136,7 @@ class Writer:
             return
         sock = socket.socket(fileno=fds[0])
         sock.setblocking(False)
-        stream = WriterStream(slot, meta, sock, self.tokenizer)
+        stream = WriterStream(slot, meta, sock, self.tokenizer, self.token_text)
         self.streams[slot] = stream
         for seq in meta.sequences:
             self.by_seq[seq] = stream
@@ -140,13 +144,16 @@ class Writer:
     def _step(self, step: fr.StepFrame) -> None:
         """One step's tokens: each stream's chunks queued, then each touched stream flushed."""
         touched: dict[int, WriterStream] = {}
-        ids, at = step.token_ids, 0
-        for seq, count, code in zip(step.slots, step.counts, step.finish):
+        ids, at, lps = step.token_ids, 0, None
+        entry_at = top_at = 0  # where the next sequence's logprobs start
+        for i, (seq, count, code) in enumerate(zip(step.slots, step.counts, step.finish)):
             stream = self.by_seq.get(seq)
             new = ids[at : at + count].tolist() if count else []
             at += count
+            if step.logprobs is not None:
+                lps, entry_at, top_at = step.logprobs.of(i, entry_at, top_at)
             if stream is not None:
-                stream.add(seq, new, fr.FINISH_REASONS[code])
+                stream.add(seq, new, fr.FINISH_REASONS[code], lps)
                 touched[stream.slot] = stream
                 if stream.stopped:  # a stop string ended it: the core finishes it now
                     for stopped in stream.stopped:
