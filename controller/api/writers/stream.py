@@ -60,6 +60,8 @@ class WriterStream:
         # The response's formatter, for chunks the template does not build (logprobs, echo).
         self.fmt = rich_formatter(meta, tokenizer, token_text)
         self.fresh = set(meta.sequences)  # sequences with no output yet (echo's first chunk)
+        self.reading = True  # its client sent nothing since: its reading side is watched
+        self.events = 0  # what the writer's selector watches its socket for now
         for event in meta.prelude:
             self.queue(framed(event.encode("utf-8")))
 
