@@ -50,6 +50,13 @@ class OpenStream:
     on_stop: Callable[[int], None] | None = None  # told each of those, when it comes
 
 
+def message_limit(sock: socket.socket) -> int:
+    """The largest message to send on a control socket: what the writer reads at once, and
+    what the socket's send buffer takes in one datagram (the kernel caps SO_SNDBUF at
+    net.core.wmem_max and reports it doubled; half of that leaves room for its overhead)."""
+    return min(MAX_MESSAGE, sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2)
+
+
 def error_event(item: Any) -> bytes:
     """The SSE error event of a failed sequence, as streaming.py's `sse_line` writes it."""
     if isinstance(item, NoExecutorError):
@@ -115,12 +122,14 @@ class WriterChannel:
         self.proc: subprocess.Popen | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.buffer = memoryview(bytearray(64))  # replies are read into it (9 bytes each)
+        self.limit = MAX_MESSAGE  # the largest STEP sent: larger steps are split (start sets it)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the writer process and watch its replies."""
         self.loop = loop
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
+        self.limit = message_limit(ours)
         ours.setblocking(False)
         cmd = [sys.executable, "-m", "controller.api.writers.worker", "--fd", str(theirs.fileno())]
         cmd += ["--model-dir", self.model_dir, "--stall-timeout", str(self.stall_timeout)]
@@ -172,7 +181,7 @@ class WriterChannel:
         """Send the step's frame (several, when it is larger than a writer reads at once)."""
         self.flush_due = False
         if len(self.builder):
-            for message in self.builder.take_all(MAX_MESSAGE):
+            for message in self.builder.take_all(self.limit):
                 self._send(message)
 
     def _send(self, message: bytes, fds: list[int] | None = None) -> None:
