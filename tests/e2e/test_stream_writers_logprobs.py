@@ -75,3 +75,27 @@ def test_chat_logprobs(writer_server, plain_server):
             len(c["top_logprobs"]) == kw.get("top_logprobs", 0) for c in via_writer["content"]
         )
     assert_no_blocks_in_use(s)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+def test_chat_with_tools(writer_server, plain_server):
+    """A chat stream with tools (its output read for calls, here plain text: the simulated
+    executor writes no call) goes through the writer and reads as in process."""
+    s, plain = writer_server, plain_server
+    for kw in ({"tools": TOOLS}, {"tools": TOOLS, "parallel_tool_calls": False}):
+        written = _streams(s, "finished")
+        via_writer = _chat(s, **kw)
+        assert _streams(s, "finished") == written + 1, f"{kw}: the stream was not a writer's"
+        assert via_writer == _chat(plain, **kw), kw
+        assert via_writer["text"] and via_writer["finish"] == "length"
+    assert_no_blocks_in_use(s)

@@ -22,6 +22,7 @@ from controller.api.formats import ChatFormatter
 from controller.api.writers.meta import StreamMeta
 from controller.api.writers.pool import TokenSink, WriterPool
 from controller.core.outputs import GenerationRequest
+from controller.text.tools import FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,9 @@ def stream_meta(
     """What the writer needs to format this response's chunks; None when the response is not
     one a writer formats yet (tools, prompt logprobs)."""
     chat = isinstance(fmt, ChatFormatter)
-    if chat and fmt._tool_stream is not None:
-        return None
+    tools = fmt.tools if chat else None
+    if tools is not None and FORMATS.get(tools.fmt.name) is not type(tools.fmt):
+        return None  # a format the writer could not rebuild by its name
     if any(g.sampling.prompt_logprobs is not None for g in gens):
         return None
     gen = gens[0]
@@ -76,6 +78,8 @@ def stream_meta(
         prompt_tokens=prompt_tokens,
         logprobs=bool(fmt.logprobs) if chat else fmt.logprobs is not None,
         echo=_echo_texts(fmt, len(gens)),
+        tool_parser=tools.fmt.name if tools is not None else "",
+        tool_max_calls=tools.max_calls if tools is not None else None,
     )
 
 

@@ -17,10 +17,12 @@ from controller.api.formats import (
     TokenText,
 )
 from controller.api.sse import ChunkTemplate, framed, sse_line
+from controller.api.tool_output import ToolPolicy
 from controller.api.writers.meta import StreamMeta
 from controller.core.outputs import OutputDelta
 from controller.text.detokenizer import OutputTextState
 from controller.text.tokenizer import Tokenizer
+from controller.text.tools import FORMATS
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -57,7 +59,8 @@ class WriterStream:
         self.out = bytearray()  # framed bytes not written yet
         self.since = 0.0  # monotonic time `out` last became non-empty or drained some
         self.ended = False  # [DONE] is in `out`: the stream ends once `out` drains
-        # The response's formatter, for chunks the template does not build (logprobs, echo).
+        # The response's formatter, for chunks the template does not build (logprobs, echo,
+        # tool calls).
         self.fmt = rich_formatter(meta, tokenizer, token_text)
         self.fresh = set(meta.sequences)  # sequences with no output yet (echo's first chunk)
         self.reading = True  # its client sent nothing since: its reading side is watched
@@ -216,13 +219,17 @@ def rich_formatter(
     meta: StreamMeta, tokenizer: Tokenizer, token_text: TokenText | None
 ) -> ChatFormatter | CompletionFormatter | None:
     """The in-process formatter of a response whose chunks the template does not build
-    (logprobs, echo), set up from its meta; None for plain chunks."""
-    if not meta.logprobs and not meta.echo:
+    (logprobs, echo, tool calls), set up from its meta; None for plain chunks."""
+    if not meta.logprobs and not meta.echo and not meta.tool_parser:
         return None
     head = ResponseMeta(meta.response_id, meta.created, meta.model)
     fmt: ChatFormatter | CompletionFormatter
     if meta.kind == "chat":
-        fmt = ChatFormatter(tokenizer, head, Prompt([], None), meta.logprobs, meta.return_token_ids)
+        tools = None
+        if meta.tool_parser:
+            tools = ToolPolicy(FORMATS[meta.tool_parser](), meta.tool_max_calls)
+        prompt = Prompt([], None)
+        fmt = ChatFormatter(tokenizer, head, prompt, meta.logprobs, meta.return_token_ids, tools)
     else:
         # One prompt per sequence (choice i answers prompt i), its text given for the echo.
         prompts = [Prompt([], text) for text in meta.echo] or [Prompt([], None)]

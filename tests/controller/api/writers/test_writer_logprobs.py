@@ -1,11 +1,13 @@
 """Handed-off streams with logprobs (completions' `logprobs`, chat's `logprobs` and
-`top_logprobs`) and completions' echo: the STEPs carry each token's logprob and alternatives,
-and the writer writes byte for byte what the in-process path writes for the same steps (its
-formatter's `stream_bytes`, else `stream_chunk`, framed as direct_write.py frames a chunk)."""
+`top_logprobs`), completions' echo and chat's tool calls: the STEPs carry each token's logprob
+and alternatives, and the writer writes byte for byte what the in-process path writes for the
+same steps (its formatter's `stream_bytes`, else `stream_chunk`, framed as direct_write.py
+frames a chunk; tool-call ids, random, aside)."""
 
 from __future__ import annotations
 
 import random
+import re
 from array import array
 
 import pytest
@@ -14,11 +16,13 @@ from common.wire.step_types import TokenLogprobs
 from controller.api.choice import Choice
 from controller.api.formats import ChatFormatter, CompletionFormatter, Prompt
 from controller.api.sse import sse_line
+from controller.api.tool_output import ToolPolicy
 from controller.api.writers import frame as fr
 from controller.api.writers.meta import StreamMeta
 from controller.core.outputs import OutputDelta
 from controller.text.detokenizer import OutputTextState
 from controller.text.tokenizer import Tokenizer
+from controller.text.tools.smollm2 import SmolLM2Format
 from tests.controller.api.writers.test_writer import (
     META,
     MODEL_DIR,
@@ -146,3 +150,60 @@ def test_an_aborted_echo_stream_ends_as_in_process(tok):
     assert core.replies(1) == [(fr.DONE, 1, 0)]
     core.control.close()
     thread.join(10)
+
+
+CALLS = (
+    'Checking.<tool_call>[{"name": "get_weather", "arguments": {"city":"Paris"}}, '
+    '{"name": "noop", "arguments": {}}]</tool_call> done'
+)
+
+
+def _mask_ids(body: bytes) -> bytes:
+    """Tool-call ids are random: the same length, masked, so the framing still compares."""
+    return re.sub(rb"call_[A-Za-z0-9]{24}", b"call_" + b"X" * 24, body)
+
+
+@pytest.mark.parametrize("max_calls", [None, 1])
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_tool_call_streams_equal_the_in_process_path(tok, max_calls, logprobs):
+    """Chat with tools: the writer reads the output for calls with the same ToolStream (its
+    format rebuilt by name) and writes the same chunks, ids aside."""
+    core, thread = _threaded_writer(tok)
+    meta = StreamMeta(META.id, "chat.completion.chunk", META.created, META.model, "chat", [77])
+    meta.tool_parser, meta.tool_max_calls, meta.logprobs = "smollm2", max_calls, logprobs
+    client = core.open(1, meta)
+    ids = tok.backend.encode(CALLS, add_special_tokens=False).ids
+    rng, steps, at = random.Random(7), [], 0
+    while at < len(ids):
+        k = rng.choice([1, 2, 3])
+        steps.append(ids[at : at + k])
+        at += k
+    lps = [_logprobs(rng, s, 2, 49152) if logprobs else None for s in steps]
+    reasons = [None] * (len(steps) - 1) + ["stop"]
+    for step, lp, reason in zip(steps, lps, reasons):
+        builder = fr.StepBuilder()
+        builder.add(77, step, reason, lp)
+        core.step(builder)
+    policy = ToolPolicy(SmolLM2Format(), max_calls)
+    fmt = ChatFormatter(tok, META, Prompt([1, 2, 3], "abc"), logprobs, False, policy)
+    want = _in_process_chunks(fmt, tok, steps, lps, reasons)
+    got = _read_all(client)
+    assert b"tool_calls" in got
+    assert _mask_ids(got) == _mask_ids(want)
+    assert core.replies(1) == [(fr.DONE, 1, 0)]
+    core.control.close()
+    thread.join(10)
+
+
+def _in_process_chunks(fmt, tok, steps, lps, reasons) -> bytes:
+    """sse_events' chunks for a formatter whose `stream_chunk` may give several per delta."""
+    state, choice, out = OutputTextState(tok), Choice(0, 0), b""
+    for ids, lp, reason in zip(steps, lps, reasons):
+        text, _ = state.update(ids, reason is not None)
+        d = OutputDelta("r", text, ids, lp, None, reason is not None, reason)
+        first = choice.empty
+        choice.add(d)
+        body = fmt.stream_chunk(choice, d, first, False)
+        for part in [body] if isinstance(body, dict) else body or []:
+            out += _framed(sse_line(part))
+    return out + _framed(DONE)
