@@ -51,7 +51,7 @@ def stream_meta(
     include_usage: bool,
 ) -> StreamMeta | None:
     """What the writer needs to format this response's chunks; None when the response is not
-    one a writer formats yet (tools, prompt logprobs)."""
+    one a writer formats yet (prompt logprobs; tools of a format it cannot rebuild by name)."""
     chat = isinstance(fmt, ChatFormatter)
     tools = fmt.tools if chat else None
     if tools is not None and FORMATS.get(tools.fmt.name) is not type(tools.fmt):
