@@ -325,7 +325,10 @@ def _split_sequence(
     """One sequence's step as several STEPs (its end in the last): its tokens in pieces, each
     with its logprobs when it has one entry per token (otherwise they go with the last)."""
     aligned = lps is not None and len(lps) == len(ids)
-    out, start, size = [], 0, step_size(1, 0) + (4 if lps is not None else 0)
+    base = step_size(1, 0) + (4 if lps is not None else 0)  # a piece with no tokens
+    if lps is not None and not aligned:  # every piece keeps room for them all (the last has them)
+        base += sum(10 + 8 * len(lp.top_token_ids) for lp in lps)
+    out, start, size = [], 0, base
     for k in range(len(ids) + 1):
         last = k == len(ids)
         grow = 0 if last else 4 + (10 + 8 * len(lps[k].top_token_ids) if aligned else 0)
@@ -336,6 +339,6 @@ def _split_sequence(
             end_lps = lps[start:k] if aligned else (lps if last else None)
             piece.add(slot, ids[start:k], reason if last else None, end_lps)
             out.append(piece.take())
-            start, size = k, step_size(1, 0) + (4 if lps is not None else 0)
+            start, size = k, base
         size += grow
     return out

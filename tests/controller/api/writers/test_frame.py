@@ -143,3 +143,20 @@ def test_a_step_over_the_limit_is_split_never_dropped(limit):
     assert [(s, t, c) for s, t, c, _ in merged] == [(s, t, c) for s, t, c, _ in sent]
     for (_, _, _, back), (_, _, _, lps) in zip(merged, sent):
         assert [x.top_token_ids for x in back] == [x.top_token_ids for x in lps or []]
+
+
+def test_a_sequence_with_fewer_logprobs_than_tokens_is_split_within_the_limit():
+    """Logprobs not one per token (not what the scheduler sends, but a frame may say so) go
+    whole with the sequence's last piece, every piece still within the limit."""
+    rng = random.Random(5)
+    tokens = list(range(2000))
+    lps = [_lp(rng, t) for t in tokens[:30]]
+    builder = fr.StepBuilder()
+    builder.add(4, tokens, "length", lps)
+    messages = builder.take_all(1500)
+    assert len(messages) > 1 and all(len(m) <= 1500 for m in messages)
+    got = _sequences(messages)
+    assert [i for _, ids, _, _ in got for i in ids] == tokens
+    assert [len(lp) for _, _, _, lp in got[:-1]] == [0] * (len(got) - 1)
+    assert [x.token_id for x in got[-1][3]] == tokens[:30]
+    assert [code for _, _, code, _ in got] == [0] * (len(got) - 1) + [fr.FINISH_CODES["length"]]
