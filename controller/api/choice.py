@@ -26,6 +26,9 @@ class Choice:
     finish_reason: str | None = None  # set when finished
     error: str = ""  # set when the request failed
     num_cached_tokens: int = 0  # prefix-cache hit of its prompt
+    # A delta was added (even one with no output: a chunked prefill's prompt logprobs): a
+    # stream's first chunk, the one an echo puts the prompt in, is behind it.
+    started: bool = False
 
     @property
     def text(self) -> str:
@@ -42,6 +45,7 @@ class Choice:
 
     def add(self, d: OutputDelta) -> None:
         """Append one delta of its request."""
+        self.started = True
         if d.text:
             self._pieces.append(d.text)
         self.token_ids.extend(d.token_ids)

@@ -129,7 +129,7 @@ def sse_events(
             if not conn.writable():
                 return False
             c = choices[i]
-            line = fmt.stream_bytes(c, d, c.empty, include_usage)
+            line = fmt.stream_bytes(c, d, not c.started, include_usage)
             if line is None:
                 return False
             ticket.started(i)
@@ -154,7 +154,9 @@ def sse_events(
                     yield sse_line(prelude)
                 queue.direct = direct
                 async for i, d in deltas:
-                    first = choices[i].empty
+                    # Not `empty`: a delta of prompt logprobs alone (a chunked prefill) adds
+                    # no output, and the echo's prompt must come once.
+                    first = not choices[i].started
                     choices[i].add(d)
                     if d.error:
                         yield sse_line({"error": error_body(APIError(d.error, 500))})

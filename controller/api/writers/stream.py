@@ -62,7 +62,7 @@ class WriterStream:
         # The response's formatter, for chunks the template does not build (logprobs, echo,
         # tool calls).
         self.fmt = rich_formatter(meta, tokenizer, token_text)
-        self.fresh = set(meta.sequences)  # sequences with no output yet (echo's first chunk)
+        self.fresh = set(meta.sequences)  # sequences with no chunk yet (echo's goes first)
         self.reading = True  # its client sent nothing since: its reading side is watched
         self.events = 0  # what the writer's selector watches its socket for now
         for event in meta.prelude:
@@ -180,8 +180,7 @@ class WriterStream:
         choice = Choice(index=index, prompt_index=index)  # the formatters read no more of it
         d = OutputDelta("", text, token_ids, logprobs, None, reason is not None, reason)
         first = seq in self.fresh
-        if text or token_ids:
-            self.fresh.discard(seq)
+        self.fresh.discard(seq)
         line = fmt.stream_bytes(choice, d, first, self.meta.include_usage)
         if line is not None:
             return [line] if line else []

@@ -65,7 +65,7 @@ def _in_process(fmt, tok, steps, lps, reasons, stop, usage: bool) -> bytes:
         if stopped and reason is None:
             reason = "stop"
         d = OutputDelta("r", text, ids, lp, None, reason is not None, reason)
-        first = choice.empty
+        first = not choice.started  # as sse_events reads it
         choice.add(d)
         line = fmt.stream_bytes(choice, d, first, usage)
         if line is None:
@@ -201,7 +201,7 @@ def _in_process_chunks(fmt, tok, steps, lps, reasons) -> bytes:
     for ids, lp, reason in zip(steps, lps, reasons):
         text, _ = state.update(ids, reason is not None)
         d = OutputDelta("r", text, ids, lp, None, reason is not None, reason)
-        first = choice.empty
+        first = not choice.started  # as sse_events reads it
         choice.add(d)
         body = fmt.stream_chunk(choice, d, first, False)
         for part in [body] if isinstance(body, dict) else body or []:
