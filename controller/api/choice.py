@@ -38,11 +38,6 @@ class Choice:
             pieces[:] = ["".join(pieces)]
         return pieces[0] if pieces else ""
 
-    @property
-    def empty(self) -> bool:
-        """Whether no output (text or token) has been added yet."""
-        return not self.token_ids and not self._pieces
-
     def add(self, d: OutputDelta) -> None:
         """Append one delta of its request."""
         self.started = True
