@@ -26,6 +26,9 @@ class Choice:
     finish_reason: str | None = None  # set when finished
     error: str = ""  # set when the request failed
     num_cached_tokens: int = 0  # prefix-cache hit of its prompt
+    # A delta was added (even one with no output: a chunked prefill's prompt logprobs): a
+    # stream's first chunk, the one an echo puts the prompt in, is behind it.
+    started: bool = False
 
     @property
     def text(self) -> str:
@@ -35,13 +38,9 @@ class Choice:
             pieces[:] = ["".join(pieces)]
         return pieces[0] if pieces else ""
 
-    @property
-    def empty(self) -> bool:
-        """Whether no output (text or token) has been added yet."""
-        return not self.token_ids and not self._pieces
-
     def add(self, d: OutputDelta) -> None:
         """Append one delta of its request."""
+        self.started = True
         if d.text:
             self._pieces.append(d.text)
         self.token_ids.extend(d.token_ids)

@@ -33,7 +33,7 @@ class ResponseMeta:
     model: str  # served model name
 
 
-class _TokenText:
+class TokenText:
     """Text of single tokens for logprobs, cached."""
 
     def __init__(self, tokenizer: Tokenizer):
@@ -85,7 +85,7 @@ class CompletionFormatter:
         self.echo = echo
         self.logprobs = logprobs
         self.tokenizer = tokenizer
-        self.token_text = _TokenText(tokenizer)
+        self.token_text = TokenText(tokenizer)
         self.template = ChunkTemplate(meta.id, "text_completion", meta.created, meta.model)
 
     def _prompt_text(self, prompt: Prompt) -> str:
@@ -238,7 +238,7 @@ class ChatFormatter:
         self.meta = meta
         self.prompt = prompt
         self.logprobs = logprobs
-        self.token_text = _TokenText(tokenizer)
+        self.token_text = TokenText(tokenizer)
         # Reads tool calls out of the output (None: the output is plain text).
         self.tools = tools
         self._tool_stream = None if tools is None else ToolStream(tools)

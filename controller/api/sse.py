@@ -70,3 +70,8 @@ def framed(body: bytes) -> bytes:
     """One HTTP/1.1 chunk of a chunked body, framed as uvicorn frames a ``more_body``
     message's: what the direct write and the stream writers put on the socket."""
     return b"%x\r\n%b\r\n" % (len(body), body)
+
+
+def sse_line(body: dict) -> bytes:
+    """One SSE event. Bytes, encoded here: nothing unencodable can fail the stream."""
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode("utf-8", "replace")

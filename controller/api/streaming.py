@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -24,6 +23,7 @@ from controller.api.choice import Choice
 from controller.api.deltas import DeltaQueue
 from controller.api.direct_write import direct_write_of
 from controller.api.errors import APIError, error_body
+from controller.api.sse import sse_line
 from controller.api.stall import ClientStalled, StallBoundedStream, close_guard, guarded
 from controller.api.writers.handoff import plain_socket, stream_meta, writer_events
 from controller.api.writers.pool import WriterPool
@@ -129,7 +129,7 @@ def sse_events(
             if not conn.writable():
                 return False
             c = choices[i]
-            line = fmt.stream_bytes(c, d, c.empty, include_usage)
+            line = fmt.stream_bytes(c, d, not c.started, include_usage)
             if line is None:
                 return False
             ticket.started(i)
@@ -154,7 +154,9 @@ def sse_events(
                     yield sse_line(prelude)
                 queue.direct = direct
                 async for i, d in deltas:
-                    first = choices[i].empty
+                    # Not `empty`: a delta of prompt logprobs alone (a chunked prefill) adds
+                    # no output, and the echo's prompt must come once.
+                    first = not choices[i].started
                     choices[i].add(d)
                     if d.error:
                         yield sse_line({"error": error_body(APIError(d.error, 500))})
@@ -243,11 +245,6 @@ class GuardedJSONResponse(JSONResponse):
             log.warning("%s: the response is dropped", stalled)
         finally:
             close_guard(guard)
-
-
-def sse_line(body: dict) -> bytes:
-    """One SSE event. Bytes, encoded here: nothing unencodable can fail the stream."""
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode("utf-8", "replace")
 
 
 def client_closed() -> Response:

@@ -231,7 +231,9 @@ class StepLoop:
         reason = update.finish_reason if update.finished else None
         tracked.note_cache_hit()
         sink = tracked.queue
-        sink.put_tokens(update.new_token_ids, reason, tracked.num_cached_tokens)  # type: ignore[attr-defined]
+        sink.put_tokens(  # type: ignore[attr-defined]
+            update.new_token_ids, reason, tracked.num_cached_tokens, update.logprobs
+        )
         tracked.delivered = True
         if update.finished:
             self.tracked.remove(tracked)

@@ -15,6 +15,7 @@ from controller.observe.metrics import EngineMetrics, ExecutorSeries, RequestSta
 from controller.text.detokenizer import OutputTextState
 
 if TYPE_CHECKING:
+    from common.wire.step_types import TokenLogprobs
     from controller.text.tokenizer import Tokenizer
 
 
@@ -36,10 +37,15 @@ class TokenSink(DeltaSink, Protocol):
     takes_tokens: bool  # True: the step loop calls `put_tokens`
 
     def put_tokens(
-        self, token_ids: list[int], finish_reason: str | None, num_cached_tokens: int
+        self,
+        token_ids: list[int],
+        finish_reason: str | None,
+        num_cached_tokens: int,
+        logprobs: list[TokenLogprobs] | None,
     ) -> None:
-        """A step's new token ids, the finish reason when the request ended there, and its
-        prompt tokens served from the prefix cache (for the usage chunk)."""
+        """A step's new token ids, the finish reason when the request ended there, its prompt
+        tokens served from the prefix cache (for the usage chunk) and its tokens' logprobs
+        (None unless it asked for them)."""
 
 
 @dataclass(eq=False)

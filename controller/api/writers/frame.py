@@ -32,6 +32,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
+from common.wire.step_types import TokenLogprobs
+
 OPEN, STEP, CLOSE, DONE, STOPPED, USAGE, ERROR = 1, 2, 3, 4, 5, 6, 7  # a message's first byte
 
 # A sequence's finish code in a STEP (0: it goes on) and its OpenAI finish_reason.
@@ -58,6 +60,55 @@ class StepFrame:
     counts: array  # 'I': how many new token ids each one has in `token_ids`
     finish: array  # 'B': FINISH_REASONS code each, 0 while it goes on
     token_ids: array  # 'i': the new token ids, sequence after sequence
+    logprobs: StepLogprobs | None = None  # present when a sequence of the step asked for them
+
+
+@dataclass
+class StepLogprobs:
+    """A STEP's logprobs section: per sequence, how many entries (TokenLogprobs) it has, then
+    the entries of all sequences in order, each with its top alternatives."""
+
+    entries: array  # 'I': entries per sequence (as long as the frame's `slots`; 0: none)
+    token_ids: array  # 'i': each entry's token
+    values: array  # 'f': each entry's logprob (float32, as the executors send it)
+    top_counts: array  # 'H': each entry's number of alternatives
+    top_ids: array  # 'i': the alternatives' tokens, entry after entry, best first
+    top_values: array  # 'f': their logprobs
+
+    @classmethod
+    def empty(cls) -> StepLogprobs:
+        """A section with nothing in it yet."""
+        return cls(array("I"), array("i"), array("f"), array("H"), array("i"), array("f"))
+
+    def parts(self) -> tuple[array, ...]:
+        """Its arrays in the order they are sent."""
+        return (
+            self.entries,
+            self.token_ids,
+            self.values,
+            self.top_counts,
+            self.top_ids,
+            self.top_values,
+        )
+
+    def of(self, seq_index: int, entry_at: int, top_at: int) -> tuple[list, int, int]:
+        """The TokenLogprobs of the frame's `seq_index`th sequence, whose entries start at
+        `entry_at` and alternatives at `top_at`, and where the next sequence's start."""
+        out = []
+        for k in range(entry_at, entry_at + self.entries[seq_index]):
+            count = self.top_counts[k]
+            top = slice(top_at, top_at + count)
+            out.append(
+                TokenLogprobs(
+                    self.token_ids[k],
+                    self.values[k],
+                    0,  # the rank: no chunk shows it
+                    self.top_ids[top].tolist(),
+                    self.top_values[top].tolist(),
+                )
+            )
+            top_at += count
+        return out, entry_at + self.entries[seq_index], top_at
 
 
 def _bytes(values: array) -> bytes:
@@ -83,7 +134,16 @@ def encode_step(frame: StepFrame) -> bytes:
     if sum(frame.counts) != len(frame.token_ids):
         raise ValueError("a step frame's counts do not add up to its token ids")
     head = _HEAD.pack(STEP, n, len(frame.token_ids))
-    parts = (frame.slots, frame.counts, frame.token_ids, frame.finish)
+    parts = [frame.slots, frame.counts, frame.token_ids, frame.finish]
+    lps = frame.logprobs
+    if lps is not None:
+        if len(lps.entries) != n or sum(lps.entries) != len(lps.token_ids):
+            raise ValueError("a step frame's logprobs do not match its sequences")
+        if not (len(lps.token_ids) == len(lps.values) == len(lps.top_counts)):
+            raise ValueError("a step frame's logprob entries differ in length")
+        if not (sum(lps.top_counts) == len(lps.top_ids) == len(lps.top_values)):
+            raise ValueError("a step frame's top logprobs do not add up")
+        parts += lps.parts()
     return head + b"".join(_bytes(p) for p in parts)
 
 
@@ -92,21 +152,47 @@ def decode_step(message: bytes) -> StepFrame:
     kind, n, t = _HEAD.unpack_from(message)
     if kind != STEP:
         raise ValueError(f"not a step frame: kind {kind}")
-    size = _HEAD.size + 4 * n + 4 * n + 4 * t + n
-    if len(message) != size:
+    size = step_size(n, t)
+    if len(message) != size and len(message) < size + 4 * n:
         raise ValueError(f"a step frame of {len(message)} bytes, its head says {size}")
     view, at = memoryview(message), _HEAD.size
     slots = _array("I", view[at : at + 4 * n])
     counts = _array("I", view[at + 4 * n : at + 8 * n])
     at += 8 * n
     token_ids = _array("i", view[at : at + 4 * t])
-    finish = _array("B", view[at + 4 * t :])
-    return StepFrame(slots, counts, finish, token_ids)
+    finish = _array("B", view[at + 4 * t : size])
+    frame = StepFrame(slots, counts, finish, token_ids)
+    if len(message) > size:
+        frame.logprobs = _decode_logprobs(view[size:], n)
+    return frame
 
 
-def step_size(sequences: int, tokens: int) -> int:
-    """Bytes of a STEP message for this many sequences and token ids."""
-    return _HEAD.size + 9 * sequences + 4 * tokens
+def _decode_logprobs(view: memoryview, n: int) -> StepLogprobs:
+    """A STEP's logprobs section (ValueError when its size disagrees with its counts)."""
+    entries = _array("I", view[: 4 * n])
+    e = sum(entries)
+    at = 4 * n
+    if len(view) < at + 10 * e:
+        raise ValueError("a step frame's logprobs section is cut")
+    ids = _array("i", view[at : at + 4 * e])
+    values = _array("f", view[at + 4 * e : at + 8 * e])
+    top_counts = _array("H", view[at + 8 * e : at + 10 * e])
+    at += 10 * e
+    m = sum(top_counts)
+    if len(view) != at + 8 * m:
+        raise ValueError("a step frame's logprobs section disagrees with its counts")
+    top_ids = _array("i", view[at : at + 4 * m])
+    top_values = _array("f", view[at + 4 * m :])
+    return StepLogprobs(entries, ids, values, top_counts, top_ids, top_values)
+
+
+def step_size(sequences: int, tokens: int, entries: int | None = None, tops: int = 0) -> int:
+    """Bytes of a STEP message for this many sequences and token ids (and, with a logprobs
+    section, its entries and their alternatives)."""
+    size = _HEAD.size + 9 * sequences + 4 * tokens
+    if entries is not None:
+        size += 4 * sequences + 10 * entries + 8 * tops
+    return size
 
 
 def encode_open(slot: int, meta: dict[str, Any]) -> bytes:
@@ -139,28 +225,120 @@ def decode_open(message: bytes) -> tuple[int, dict[str, Any]]:
 
 class StepBuilder:
     """A writer's STEP being gathered over one step's updates (the step loop adds each
-    sequence's new ids as it goes; `take` hands the frame out and starts the next)."""
+    sequence's new ids as it goes; `take_all` hands the messages out and starts the next)."""
 
-    __slots__ = ("slots", "counts", "finish", "token_ids")
+    __slots__ = ("slots", "counts", "finish", "token_ids", "logprobs")
 
     def __init__(self) -> None:
         self.slots = array("I")  # as in StepFrame
         self.counts = array("I")
         self.finish = array("B")
         self.token_ids = array("i")
+        self.logprobs: StepLogprobs | None = None  # made at the first sequence that has some
 
-    def add(self, slot: int, token_ids: list[int], finish_reason: str | None = None) -> None:
-        """One sequence's new ids (and its end, when it ended this step)."""
+    def add(
+        self,
+        slot: int,
+        token_ids: list[int],
+        finish_reason: str | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> None:
+        """One sequence's new ids (and its end, when it ended this step; its logprobs, when
+        it asked for them)."""
         self.slots.append(slot)
         self.counts.append(len(token_ids))
         self.finish.append(FINISH_CODES[finish_reason])
         self.token_ids.extend(token_ids)
+        lps = self.logprobs
+        if logprobs is None and lps is None:
+            return
+        if lps is None:  # the sequences before this one had none
+            lps = self.logprobs = StepLogprobs.empty()
+            lps.entries.extend([0] * (len(self.slots) - 1))
+        lps.entries.append(len(logprobs or ()))
+        for lp in logprobs or ():
+            lps.token_ids.append(lp.token_id)
+            lps.values.append(lp.logprob)
+            lps.top_counts.append(len(lp.top_token_ids))
+            lps.top_ids.extend(lp.top_token_ids)
+            lps.top_values.extend(lp.top_logprobs)
 
     def __len__(self) -> int:
         return len(self.slots)
 
+    def size(self) -> int:
+        """Bytes of the STEP message of what was added."""
+        lps = self.logprobs
+        if lps is None:
+            return step_size(len(self.slots), len(self.token_ids))
+        entries, tops = len(lps.token_ids), len(lps.top_ids)
+        return step_size(len(self.slots), len(self.token_ids), entries, tops)
+
     def take(self) -> bytes:
         """The STEP message of what was added, and a fresh builder state."""
-        frame = StepFrame(self.slots, self.counts, self.finish, self.token_ids)
+        frame = StepFrame(self.slots, self.counts, self.finish, self.token_ids, self.logprobs)
         self.__init__()
         return encode_step(frame)
+
+    def take_all(self, limit: int) -> list[bytes]:
+        """What was added as STEP messages of at most `limit` bytes each (one, unless the step
+        is that large: then split between sequences, in order, and a sequence too large for
+        one message alone between its tokens), and a fresh builder state."""
+        if self.size() <= limit:
+            return [self.take()]
+        frame = StepFrame(self.slots, self.counts, self.finish, self.token_ids, self.logprobs)
+        self.__init__()
+        return split_step(frame, limit)
+
+
+def split_step(frame: StepFrame, limit: int) -> list[bytes]:
+    """A step's frame as STEP messages of at most `limit` bytes each, in sequence order."""
+    out: list[bytes] = []
+    part = StepBuilder()
+    at = entry_at = top_at = 0
+    for i, (slot, count, code) in enumerate(zip(frame.slots, frame.counts, frame.finish)):
+        ids = frame.token_ids[at : at + count].tolist()
+        at += count
+        lps = None
+        if frame.logprobs is not None:
+            lps, entry_at, top_at = frame.logprobs.of(i, entry_at, top_at)
+        reason = FINISH_REASONS[code]
+        alone = StepBuilder()
+        alone.add(slot, ids, reason, lps)
+        grow = alone.size() - step_size(0, 0)  # its bytes in a message with others
+        if lps is not None and part.logprobs is None:
+            grow += 4 * len(part)  # the others' entry counts, 0 each
+        if len(part) and part.size() + grow > limit:
+            out.append(part.take())
+        if alone.size() > limit:  # one sequence too large for a message: between its tokens
+            out.extend(_split_sequence(slot, ids, reason, lps, limit))
+            continue
+        part.add(slot, ids, reason, lps)
+    if len(part):
+        out.append(part.take())
+    return out
+
+
+def _split_sequence(
+    slot: int, ids: list[int], reason: str | None, lps: list | None, limit: int
+) -> list[bytes]:
+    """One sequence's step as several STEPs (its end in the last): its tokens in pieces, each
+    with its logprobs when it has one entry per token (otherwise they go with the last)."""
+    aligned = lps is not None and len(lps) == len(ids)
+    base = step_size(1, 0) + (4 if lps is not None else 0)  # a piece with no tokens
+    if lps is not None and not aligned:  # every piece keeps room for them all (the last has them)
+        base += sum(10 + 8 * len(lp.top_token_ids) for lp in lps)
+    out, start, size = [], 0, base
+    for k in range(len(ids) + 1):
+        last = k == len(ids)
+        grow = 0 if last else 4 + (10 + 8 * len(lps[k].top_token_ids) if aligned else 0)
+        if last and k == start and reason is None:
+            break  # the pieces so far hold it all
+        if last or (k > start and size + grow > limit):
+            piece = StepBuilder()
+            end_lps = lps[start:k] if aligned else (lps if last else None)
+            piece.add(slot, ids[start:k], reason if last else None, end_lps)
+            out.append(piece.take())
+            start, size = k, base
+        size += grow
+    return out

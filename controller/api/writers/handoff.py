@@ -22,6 +22,7 @@ from controller.api.formats import ChatFormatter
 from controller.api.writers.meta import StreamMeta
 from controller.api.writers.pool import TokenSink, WriterPool
 from controller.core.outputs import GenerationRequest
+from controller.text.tools import FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,11 @@ def stream_meta(
     include_usage: bool,
 ) -> StreamMeta | None:
     """What the writer needs to format this response's chunks; None when the response is not
-    one a writer formats yet (logprobs, an echoed prompt, tools, prompt logprobs)."""
+    one a writer formats yet (prompt logprobs; tools of a format it cannot rebuild by name)."""
     chat = isinstance(fmt, ChatFormatter)
-    if chat and (fmt.logprobs or fmt._tool_stream is not None):
-        return None
-    if not chat and (fmt.logprobs is not None or fmt.echo):
-        return None
+    tools = fmt.tools if chat else None
+    if tools is not None and FORMATS.get(tools.fmt.name) is not type(tools.fmt):
+        return None  # a format the writer could not rebuild by its name
     if any(g.sampling.prompt_logprobs is not None for g in gens):
         return None
     gen = gens[0]
@@ -76,7 +76,19 @@ def stream_meta(
         prelude=prelude,
         include_usage=include_usage,
         prompt_tokens=prompt_tokens,
+        logprobs=bool(fmt.logprobs) if chat else fmt.logprobs is not None,
+        echo=_echo_texts(fmt, len(gens)),
+        tool_parser=tools.fmt.name if tools is not None else "",
+        tool_max_calls=tools.max_calls if tools is not None else None,
     )
+
+
+def _echo_texts(fmt: Any, count: int) -> list[str]:
+    """Each sequence's prompt text when a completion echoes it (choice i answers prompt
+    i // n), else nothing."""
+    if isinstance(fmt, ChatFormatter) or not fmt.echo:
+        return []
+    return [fmt._prompt_text(fmt.prompts[i // max(1, fmt.n)]) for i in range(count)]
 
 
 async def writer_events(

@@ -23,6 +23,12 @@ class StreamMeta:
     stop: list[str] = field(default_factory=list)  # stop strings the writer looks for
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text
     prelude: list[str] = field(default_factory=list)  # SSE events written first (chat's role)
+    logprobs: bool = False  # the chunks carry the tokens' logprobs (the STEPs bring them)
+    echo: list[str] = field(default_factory=list)  # completions' echo: each sequence's prompt
+    # text, prepended to its first chunk (empty: no echo)
+    tool_parser: str = ""  # chat with tools: the tool-call format's name (controller.text.tools
+    # FORMATS), its output read for calls as in process; "": plain text
+    tool_max_calls: int | None = None  # the ToolPolicy's max_calls (1: no parallel calls)
 
     def to_json(self) -> dict[str, Any]:
         """The meta as the OPEN message carries it."""

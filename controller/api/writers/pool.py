@@ -25,10 +25,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from common.wire.step_types import TokenLogprobs
 from controller.api.errors import APIError, error_body
 from controller.api.writers import frame as fr
 from controller.api.writers.meta import StreamMeta
-from controller.api.writers.worker import receive
+from controller.api.writers.worker import MAX_MESSAGE, receive
 from controller.fleet.engine import NoExecutorError
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,13 @@ class OpenStream:
     done: asyncio.Future  # set to the DONE reason (frame.DONE_REASONS) when the writer ends it
     stopped: set[int] = field(default_factory=set)  # sequences a writer's stop string ended
     on_stop: Callable[[int], None] | None = None  # told each of those, when it comes
+
+
+def message_limit(sock: socket.socket) -> int:
+    """The largest message to send on a control socket: what the writer reads at once, and
+    what the socket's send buffer takes in one datagram (the kernel caps SO_SNDBUF at
+    net.core.wmem_max and reports it doubled; half of that leaves room for its overhead)."""
+    return min(MAX_MESSAGE, sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2)
 
 
 def error_event(item: Any) -> bytes:
@@ -72,17 +80,22 @@ class TokenSink:
         self.started = started  # called at its first output (it stops counting as queued)
 
     def put_tokens(
-        self, token_ids: list[int], finish_reason: str | None, num_cached_tokens: int = 0
+        self,
+        token_ids: list[int],
+        finish_reason: str | None,
+        num_cached_tokens: int = 0,
+        logprobs: list[TokenLogprobs] | None = None,
     ) -> None:
         """A step's new ids for the sequence (and its end; its prompt's cache hit, for the
-        usage chunk, is sent with its first tokens and its end)."""
+        usage chunk, is sent with its first tokens and its end; its tokens' logprobs, when
+        it asked for them)."""
         if self.started is not None:
             self.started()
             self.started = None
             self.channel.usage(self.slot, num_cached_tokens)
         elif finish_reason is not None:
             self.channel.usage(self.slot, num_cached_tokens)
-        self.channel.add(self.slot, token_ids, finish_reason)
+        self.channel.add(self.slot, token_ids, finish_reason, logprobs)
 
     def put_nowait(self, item) -> None:
         """An exception or an error delta: the sequence ends with the error event the
@@ -109,12 +122,14 @@ class WriterChannel:
         self.proc: subprocess.Popen | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.buffer = memoryview(bytearray(64))  # replies are read into it (9 bytes each)
+        self.limit = MAX_MESSAGE  # the largest STEP sent: larger steps are split (start sets it)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the writer process and watch its replies."""
         self.loop = loop
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
+        self.limit = message_limit(ours)
         ours.setblocking(False)
         cmd = [sys.executable, "-m", "controller.api.writers.worker", "--fd", str(theirs.fileno())]
         cmd += ["--model-dir", self.model_dir, "--stall-timeout", str(self.stall_timeout)]
@@ -149,18 +164,25 @@ class WriterChannel:
         """A sequence's cached prompt tokens (sent before this step's frame)."""
         self._send(fr.encode_control(fr.USAGE, seq, num_cached_tokens))
 
-    def add(self, seq: int, token_ids: list[int], finish_reason: str | None) -> None:
+    def add(
+        self,
+        seq: int,
+        token_ids: list[int],
+        finish_reason: str | None,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> None:
         """A sequence's step, into this step's frame (sent once, after the step's updates)."""
-        self.builder.add(seq, token_ids, finish_reason)
+        self.builder.add(seq, token_ids, finish_reason, logprobs)
         if not self.flush_due and self.loop is not None:
             self.flush_due = True
             self.loop.call_soon(self.flush)
 
     def flush(self) -> None:
-        """Send the step's frame."""
+        """Send the step's frame (several, when it is larger than a writer reads at once)."""
         self.flush_due = False
         if len(self.builder):
-            self._send(self.builder.take())
+            for message in self.builder.take_all(self.limit):
+                self._send(message)
 
     def _send(self, message: bytes, fds: list[int] | None = None) -> None:
         if self.pending or not self._try_send(message, fds or []):

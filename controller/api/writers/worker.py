@@ -3,7 +3,9 @@
 It reads the core's messages (frame.py) from its end of a SOCK_SEQPACKET socket pair (fd N),
 keeps the streams the core opened on it (stream.py), and writes their chunks to their clients'
 sockets. One thread and a selector: the control socket is read whenever it has messages, a
-client socket is watched for writability only while its stream has bytes it did not take. A
+client socket is watched for writability only while its stream has bytes it did not take, and
+for readability until its client sends anything (a hangup, even a half-close, ends the stream
+at once: DONE "client_gone"; a pipelined request is the core's to read, after the stream). A
 stream whose client takes nothing for --stall-timeout seconds is closed (DONE "stalled"), as
 the in-process path's stall guard would; a write error means the client is gone. When the
 core's end closes (the controller exited), every stream is closed and the process exits.
@@ -19,6 +21,7 @@ import socket
 import time
 from array import array
 
+from controller.api.formats import TokenText
 from controller.api.writers import frame as fr
 from controller.api.writers.meta import StreamMeta
 from controller.api.writers.stream import WriterStream
@@ -61,15 +64,20 @@ class Writer:
         self.selector.register(control, selectors.EVENT_READ, None)
         self.running = True  # False once the core's end closed
         self.buffer = memoryview(bytearray(MAX_MESSAGE))  # every message is read into it
+        self.token_text = TokenText(tokenizer)  # single tokens' text, for every stream's logprobs
 
     def run(self) -> None:
         """Serve until the core goes away."""
         while self.running:
-            for key, _ in self.selector.select(self._timeout()):
-                if key.data is None:
+            for key, events in self.selector.select(self._timeout()):
+                stream = key.data
+                if stream is None:
                     self._read_control()
-                else:
-                    self._flush(key.data)
+                    continue
+                if events & selectors.EVENT_READ:
+                    self._check_hangup(stream)
+                if events & selectors.EVENT_WRITE and stream.slot in self.streams:
+                    self._flush(stream)
             self._check_stalls()
         for stream in list(self.streams.values()):
             self._end(stream, "closed")
@@ -90,6 +98,8 @@ class Writer:
             except ValueError:
                 log.exception("a message from the core was lost")
                 continue
+            except OSError:  # reset: the core exited with our replies unread
+                data = b""
             if not data:
                 self.running = False
                 return
@@ -132,21 +142,25 @@ class Writer:
             return
         sock = socket.socket(fileno=fds[0])
         sock.setblocking(False)
-        stream = WriterStream(slot, meta, sock, self.tokenizer)
+        stream = WriterStream(slot, meta, sock, self.tokenizer, self.token_text)
         self.streams[slot] = stream
         for seq in meta.sequences:
             self.by_seq[seq] = stream
+        self._watch(stream)  # its reading side: a client that closes is noticed at once
 
     def _step(self, step: fr.StepFrame) -> None:
         """One step's tokens: each stream's chunks queued, then each touched stream flushed."""
         touched: dict[int, WriterStream] = {}
-        ids, at = step.token_ids, 0
-        for seq, count, code in zip(step.slots, step.counts, step.finish):
+        ids, at, lps = step.token_ids, 0, None
+        entry_at = top_at = 0  # where the next sequence's logprobs start
+        for i, (seq, count, code) in enumerate(zip(step.slots, step.counts, step.finish)):
             stream = self.by_seq.get(seq)
             new = ids[at : at + count].tolist() if count else []
             at += count
+            if step.logprobs is not None:
+                lps, entry_at, top_at = step.logprobs.of(i, entry_at, top_at)
             if stream is not None:
-                stream.add(seq, new, fr.FINISH_REASONS[code])
+                stream.add(seq, new, fr.FINISH_REASONS[code], lps)
                 touched[stream.slot] = stream
                 if stream.stopped:  # a stop string ended it: the core finishes it now
                     for stopped in stream.stopped:
@@ -161,20 +175,42 @@ class Writer:
         except OSError:
             self._end(stream, "client_gone")
             return
-        registered = self._watched(stream)
         if drained and stream.done:
             self._end(stream, "finished")
-        elif not drained and not registered:
-            self.selector.register(stream.sock, selectors.EVENT_WRITE, stream)
-        elif drained and registered:
-            self.selector.unregister(stream.sock)
+        else:
+            self._watch(stream)
 
-    def _watched(self, stream: WriterStream) -> bool:
+    def _watch(self, stream: WriterStream) -> None:
+        """Watch the client's socket for what matters now: its reading side until the client
+        sent anything (a hangup shows there), its writing side while bytes wait."""
+        events = selectors.EVENT_READ if stream.reading else 0
+        if stream.out:
+            events |= selectors.EVENT_WRITE
+        if events == stream.events:
+            return
+        if not stream.events:
+            self.selector.register(stream.sock, events, stream)
+        elif not events:
+            self.selector.unregister(stream.sock)
+        else:
+            self.selector.modify(stream.sock, events, stream)
+        stream.events = events
+
+    def _check_hangup(self, stream: WriterStream) -> None:
+        """The client's socket is readable: at its end (the client closed it, or only its
+        sending side) or reset, the client is gone; bytes (a pipelined request, which the
+        core reads once the stream is over) are left where they are, and no longer watched."""
         try:
-            self.selector.get_key(stream.sock)
-            return True
-        except KeyError:
-            return False
+            data = stream.sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._end(stream, "client_gone")
+            return
+        stream.reading = False
+        self._watch(stream)
 
     def _check_stalls(self) -> None:
         if not self.stall_timeout:
@@ -186,8 +222,9 @@ class Writer:
 
     def _end(self, stream: WriterStream, reason: str) -> None:
         """Forget a stream, close its fd and tell the core why it ended."""
-        if self._watched(stream):
+        if stream.events:
             self.selector.unregister(stream.sock)
+            stream.events = 0
         self.streams.pop(stream.slot, None)
         for seq in stream.meta.sequences:
             self.by_seq.pop(seq, None)

@@ -79,7 +79,7 @@ def _in_process(
             finish_reason=reason,
             num_cached_tokens=cached,
         )
-        line = fmt.stream_bytes(choice, d, choice.empty, include_usage)
+        line = fmt.stream_bytes(choice, d, not choice.started, include_usage)
         choice.add(d)
         if line:
             out += b"%x\r\n%b\r\n" % (len(line), line)
@@ -196,7 +196,7 @@ def test_an_aborted_response_ends_as_in_process(tok, usage):
     deltas = [OutputDelta("r", state.update(ids, False)[0], ids) for ids in steps]
     deltas.append(OutputDelta("r", finished=True, finish_reason="abort"))
     for d in deltas:
-        line = fmt.stream_bytes(choice, d, choice.empty, usage)
+        line = fmt.stream_bytes(choice, d, not choice.started, usage)
         choice.add(d)
         if line:
             want += b"%x\r\n%b\r\n" % (len(line), line)
