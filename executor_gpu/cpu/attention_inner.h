@@ -8,15 +8,9 @@
 // - scores (QK): where the CPU has AVX-512 bf16, `vdpbf16ps` multiplies 32 bf16 query and key
 //   values into 16 float32 sums (each product of two bf16 values is exact in float32, as in the
 //   widened form; the sums are grouped by pairs of dimensions instead of by lanes 16 apart);
-// - the weighted values (PV), widened: a 512-bit load of 32 values is two float32 vectors at
-//   once, the even dimensions shifted up and the odd ones masked. Per dimension the multiply-adds
-//   are the same as the widened form's, in the same order: the output is identical;
-// - the weighted values on `vdpbf16ps` (with the scores' dot products): the softmax numerators
-//   rounded to bf16 (as the reference's bf16 attention rounds its probabilities before P.V),
-//   two positions per dot product: each dimension's values of tokens t and t + 1 interleaved
-//   into pairs, multiplied by the pair (p[t], p[t + 1]) broadcast. Two tokens cost two loads, two
-//   unpacks and one dot per 16 dimensions per head, where the widened form spends four shifts or
-//   masks and four multiply-adds.
+// - the weighted values (PV): a 512-bit load of 32 values is two float32 vectors at once, the
+//   even dimensions shifted up and the odd ones masked. Per dimension the multiply-adds are the
+//   same as the widened form's, in the same order: the output is identical.
 #pragma once
 
 #include <immintrin.h>
@@ -154,75 +148,6 @@ PREFER_512 void weigh_values_bf16(const Bf16* const* keys, int64_t value_offset,
       lo += 0x7FFFu + ((lo >> 16) & 1u);
       hi += 0x7FFFu + ((hi >> 16) & 1u);
       *reinterpret_cast<UIVec*>(out + h * dim + u * 2 * kLanes) = (lo >> 16) | (hi & 0xFFFF0000u);
-    }
-}
-
-// Each of kHeads rows of softmax numerators (row h at scores + h * stride, padded to a multiple of
-// kLanes with zeros past len) rounded to bf16, as pairs (p[t], p[t + 1]) in one 32-bit word each:
-// row h at pairs + h * pair_stride, (len + 1) / 2 words (plus up to kLanes written past them).
-template <int kHeads>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,prefer-vector-width=512")))
-void round_weight_pairs(const float* scores, int64_t stride, int64_t len, uint32_t* pairs,
-                        int64_t pair_stride) {
-  const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
-  for (int h = 0; h < kHeads; ++h) {
-    const float* row = scores + h * stride;
-    uint32_t* out = pairs + h * pair_stride;
-    for (int64_t t = 0; t < padded; t += 2 * kLanes) {
-      const __m512 a = _mm512_loadu_ps(row + t);
-      const __m512 b =
-          t + kLanes < padded ? _mm512_loadu_ps(row + t + kLanes) : _mm512_setzero_ps();
-      // cvtne2ps_pbh(b, a): a's 16 values in the low half, b's in the high half, nearest-even.
-      _mm512_storeu_si512(out + t / 2, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));
-    }
-  }
-}
-
-// The values (value_offset past each key) weighted by kHeads heads' bf16 weight pairs (row h at
-// pairs + h * pair_stride: round_weight_pairs), times inv_total[h], rounded into out's rows;
-// bf16 values, kVecs even; called only where bf16_dot_supported(). Within each 128-bit lane,
-// unpacklo interleaves dimensions 0-3 of the two tokens and unpackhi dimensions 4-7: acc[h][2u]
-// holds dimensions {0-3, 8-11, 16-19, 24-27} of the u-th 32 values, acc[h][2u + 1] the others,
-// put back in order once at the end.
-template <int kVecs, int kHeads>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,prefer-vector-width=512")))
-void weigh_values_dot(const Bf16* const* keys, int64_t value_offset, int64_t len,
-                      const uint32_t* pairs, int64_t pair_stride, const float* inv_total,
-                      Bf16* out) {
-  constexpr int kPairs = kVecs / 2;
-  constexpr int64_t dim = kVecs * kLanes;
-  __m512 acc[kHeads][kVecs];
-  for (int h = 0; h < kHeads; ++h)
-    for (int v = 0; v < kVecs; ++v) acc[h][v] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < len; t += 2) {
-    const Bf16* v0 = keys[t] + value_offset;
-    // An odd length's last token pairs with itself, its partner's weight 0 (the padding's).
-    const Bf16* v1 = (t + 1 < len ? keys[t + 1] : keys[t]) + value_offset;
-    __m512bh lo[kPairs], hi[kPairs];
-    for (int u = 0; u < kPairs; ++u) {
-      const __m512i a = _mm512_loadu_si512(v0 + u * 2 * kLanes);
-      const __m512i b = _mm512_loadu_si512(v1 + u * 2 * kLanes);
-      lo[u] = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b));
-      hi[u] = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b));
-    }
-    for (int h = 0; h < kHeads; ++h) {
-      const __m512bh w =
-          reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairs[h * pair_stride + t / 2]));
-      for (int u = 0; u < kPairs; ++u) {
-        acc[h][2 * u] = _mm512_dpbf16_ps(acc[h][2 * u], w, lo[u]);
-        acc[h][2 * u + 1] = _mm512_dpbf16_ps(acc[h][2 * u + 1], w, hi[u]);
-      }
-    }
-  }
-  for (int h = 0; h < kHeads; ++h)
-    for (int u = 0; u < kPairs; ++u) {
-      const Vec lo = reinterpret_cast<const Vec&>(acc[h][2 * u]) * inv_total[h];
-      const Vec hi = reinterpret_cast<const Vec&>(acc[h][2 * u + 1]) * inv_total[h];
-      Bf16* o = out + h * dim + u * 2 * kLanes;
-      store_vec(o, __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21,
-                                           22, 23));
-      store_vec(o + kLanes, __builtin_shufflevector(lo, hi, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13,
-                                                    14, 15, 28, 29, 30, 31));
     }
 }
 

@@ -1,9 +1,9 @@
 // Causal attention straight from the paged KV cache on the CPU (float32 or bfloat16), for every
 // request of a step: decodes (one query token) and prefill chunks (several, after any cached
 // tokens). A bf16 cache is read as bf16 (half the bytes of a float32 one), 32 values per load
-// (attention_inner.h: where the CPU has AVX-512 bf16 dot products and bf16_dot asks, the scores
-// and the weighted values on them, the softmax numerators rounded to bf16; otherwise the values
-// split into even and odd float32 vectors); sums are float32 and the output is rounded once.
+// (attention_inner.h: the scores on AVX-512 bf16 dot products where the CPU has them and
+// bf16_dot asks, the values split into even and odd float32 vectors); the arithmetic is float32
+// and the output is rounded to bf16 once.
 //
 // The torch reference gathers every request's blocks into a padded copy, then runs SDPA over it
 // (at batch 64 that copy moves as many bytes per step as the weights; SDPA over one short
@@ -47,17 +47,12 @@ struct Scratch {
   std::vector<float> scores;    // [kMaxPassHeads, padded length] softmax numerators
   std::vector<Vec> parts;       // [kMaxPassHeads, kLanes] partial dot products
   std::vector<const T*> keys;   // [padded length] each token's key row
-  std::vector<uint32_t> pairs;  // [kMaxPassHeads, pair_stride] bf16 numerators, two per word
   int64_t stride;                  // padded length: scores row stride
-  int64_t pair_stride;             // pairs' row stride (room for a whole last vector)
   int64_t value_offset;            // elements from a token's key row to its value row
 
   Scratch(int64_t max_len, int64_t value_offset)
-      : stride((max_len + kLanes - 1) / kLanes * kLanes),
-        pair_stride(stride / 2 + kLanes),
-        value_offset(value_offset) {
+      : stride((max_len + kLanes - 1) / kLanes * kLanes), value_offset(value_offset) {
     scores.resize(kMaxPassHeads * stride);
-    pairs.resize(kMaxPassHeads * pair_stride);
     parts.resize(kMaxPassHeads * kLanes);
     keys.resize(stride);
   }
@@ -140,8 +135,7 @@ PREFER_512 void weigh_values(const T* const* keys, int64_t len, const Scratch<T>
 
 // One query token's attention for kHeads heads of kVecs vectors that share a KV head, over the
 // keys listed in `keys` (values s.value_offset past each): q and out hold the heads' rows. kDot
-// (bf16, an even kVecs): the scores and the weighted values on AVX-512 bf16 dot products
-// (attention_inner.h; the numerators rounded to bf16 for the latter).
+// (bf16, an even kVecs): the scores from AVX-512 bf16 dot products (attention_bf16.h).
 template <class T, int kVecs, int kHeads, bool kDot>
 void attend_heads(const T* q, const T* const* keys, int64_t len, float scale, Scratch<T>& s,
                   T* out) {
@@ -152,13 +146,7 @@ void attend_heads(const T* q, const T* const* keys, int64_t len, float scale, Sc
     score_keys<T, kVecs, kHeads>(q, keys, len, scale, s);
   float inv_total[kHeads];
   softmax_rows<T, kHeads>(s, len, inv_total);
-  if constexpr (kDot) {
-    round_weight_pairs<kHeads>(s.scores.data(), s.stride, len, s.pairs.data(), s.pair_stride);
-    weigh_values_dot<kVecs, kHeads>(keys, s.value_offset, len, s.pairs.data(), s.pair_stride,
-                                    inv_total, out);
-  } else {
-    weigh_values<T, kVecs, kHeads>(keys, len, s, inv_total, out);
-  }
+  weigh_values<T, kVecs, kHeads>(keys, len, s, inv_total, out);
 }
 
 // attend_heads for n (1..kHeads) heads, n known only at run time.
