@@ -5,7 +5,11 @@ import os
 # CPU steps run OpenMP parallel regions back to back; threads that spin between them stall
 # whenever another process (a controller, a load generator) takes a core for a moment, which
 # made colocated serving ~1.5x slower here. Waiting passively costs ~8% alone and wins
-# overall. Set before torch loads OpenMP; an explicit setting is kept. (No effect on CUDA.)
+# overall; bounded spinning does not help either: bf16 decode steps on 2 threads of a loaded
+# 2-core machine took 22 / 72 / 85 ms (batch 1 / 16 / 64) passive, 379 / 606 / 493 ms with
+# OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=10000 and 1546 / 3007 / 2125 ms with libgomp's default
+# (benchmarks/README.md, 2026-12-02). Set before torch loads OpenMP; an explicit setting is
+# kept. (No effect on CUDA.)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from common.host.server import prepare_model, serve  # noqa: E402
