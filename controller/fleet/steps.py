@@ -212,8 +212,8 @@ class StepLoop:
         if tracked.tokens_only and not update.error:
             self._emit_tokens(tracked, update, now, series)
             return
-        if hold_quietly(tracked, update):
-            return
+        if tracked.quiet and not update.finished and hold_quietly(tracked, update):
+            return  # (the first test inlined: most tokens of a non-streamed request)
         delta = make_delta(tracked, update)
         if delta.finished and not update.finished:  # a stop string matched
             assert self.scheduler is not None
@@ -229,7 +229,10 @@ class StepLoop:
     ) -> None:
         """A tokens-only request's update: its raw ids to its sink (a stream writer's)."""
         reason = update.finish_reason if update.finished else None
-        tracked.note_cache_hit()
+        if reason is not None or not tracked.delivered:
+            # The sink sends the hit with the first tokens and the end only; it is fixed once
+            # the request is first scheduled (Tracked.note_cache_hit).
+            tracked.note_cache_hit()
         sink = tracked.queue
         sink.put_tokens(update.new_token_ids, reason, tracked.num_cached_tokens)  # type: ignore[attr-defined]
         tracked.delivered = True
