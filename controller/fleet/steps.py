@@ -124,15 +124,37 @@ class StepLoop:
             self.steps += 1
             self.tokens += num_tokens
             series = self.series
-            find = self.tracked.get  # bound once per step: the lookup runs per request
-            for update in updates:
-                tracked = find(update.request_id)
-                if tracked is not None and tracked.request is not None:
-                    try:
-                        self._emit(tracked, update, now, series)
-                    except Exception as exc:  # this request's fault: it fails alone
-                        self._emit_failed(tracked, exc, series)
+            self._deliver_updates(updates, now, series)
             self.metrics.step_done(series, num_tokens, step.num_requests, seconds, sched.stats())
+
+    def _deliver_updates(
+        self, updates: list[RequestUpdate], now: float, series: ExecutorSeries
+    ) -> None:
+        """Each update to its request (`_emit`). A non-streamed request's plain token, most of
+        them, is only counted and held (`hold_quietly`, inlined: this runs per token)."""
+        find = self.tracked.get  # bound once per step: the lookup runs per request
+        tokens_generated = self.metrics.tokens_generated
+        for update in updates:
+            tracked = find(update.request_id)
+            if tracked is None or tracked.request is None:
+                continue
+            if (
+                tracked.quiet
+                and not update.finished
+                and not tracked.lost_at
+                and not tracked.tokens_only
+                and update.new_token_ids
+                and update.logprobs is None
+                and not update.prompt_logprobs
+            ):
+                count = len(update.new_token_ids)
+                tokens_generated(series, tracked.stats, count, now)
+                tracked.unsent_tokens += count
+                continue
+            try:
+                self._emit(tracked, update, now, series)
+            except Exception as exc:  # this request's fault: it fails alone
+                self._emit_failed(tracked, exc, series)
 
     async def _send(self, step: StepInput) -> StepInput:
         """Send a step; the step sent. Requests whose data cannot be converted are left out
@@ -212,8 +234,8 @@ class StepLoop:
         if tracked.tokens_only and not update.error:
             self._emit_tokens(tracked, update, now, series)
             return
-        if tracked.quiet and not update.finished and hold_quietly(tracked, update):
-            return  # (the first test inlined: most tokens of a non-streamed request)
+        if hold_quietly(tracked, update):
+            return
         delta = make_delta(tracked, update)
         if delta.finished and not update.finished:  # a stop string matched
             assert self.scheduler is not None
