@@ -75,7 +75,9 @@ def apply_tokens(
                 reason = request.check_stop()
             if request.grammar is not None and reason is None:
                 reason, error = advance(request, token)
-            update = RequestUpdate(rid, [token], reason is not None, reason, error=error or "")
+            update = RequestUpdate(rid, [token], reason is not None, reason)
+            if error:  # (a keyword argument costs every update)
+                update.error = error
         if update.finished:
             finish(request, update.finish_reason)  # type: ignore[arg-type]
             num_finished += 1

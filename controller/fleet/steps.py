@@ -130,28 +130,29 @@ class StepLoop:
     def _deliver_updates(
         self, updates: list[RequestUpdate], now: float, series: ExecutorSeries
     ) -> None:
-        """Each update to its request (`_emit`). A non-streamed request's plain token, most of
-        them, is only counted and held (`hold_quietly`, inlined: this runs per token)."""
+        """Each update to its request (`_emit`). This runs per token, so the two common cases
+        are inlined: a plain token of a non-streamed request is only counted and held
+        (`hold_quietly`), and one of a tokens-only request that already started goes to its
+        sink (`_emit_tokens`)."""
         find = self.tracked.get  # bound once per step: the lookup runs per request
         tokens_generated = self.metrics.tokens_generated
         for update in updates:
             tracked = find(update.request_id)
             if tracked is None or tracked.request is None:
                 continue
-            if (
-                tracked.quiet
-                and not update.finished
-                and not tracked.lost_at
-                and not tracked.tokens_only
-                and update.new_token_ids
-                and update.logprobs is None
-                and not update.prompt_logprobs
-            ):
-                count = len(update.new_token_ids)
-                tokens_generated(series, tracked.stats, count, now)
-                tracked.unsent_tokens += count
-                continue
             try:
+                if update.new_token_ids and not update.finished and not tracked.lost_at:
+                    if tracked.tokens_only:
+                        if tracked.delivered and not update.error:
+                            ids = update.new_token_ids
+                            tokens_generated(series, tracked.stats, len(ids), now)
+                            tracked.queue.put_tokens(ids, None, tracked.num_cached_tokens)  # type: ignore[attr-defined]
+                            continue
+                    elif tracked.quiet and update.logprobs is None and not update.prompt_logprobs:
+                        count = len(update.new_token_ids)
+                        tokens_generated(series, tracked.stats, count, now)
+                        tracked.unsent_tokens += count
+                        continue
                 self._emit(tracked, update, now, series)
             except Exception as exc:  # this request's fault: it fails alone
                 self._emit_failed(tracked, exc, series)
