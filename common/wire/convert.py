@@ -68,10 +68,11 @@ def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
 # --- steps ----------------------------------------------------------------------------------
 
 
-def step_to_pb(step: StepInput) -> pb.StepRequest:
+def step_to_pb(step: StepInput, packed: bool = True) -> pb.StepRequest:
     # Messages are added in place (``add``), repeated fields set only when non-empty: 2-3x
     # faster than building each message and handing the list over (a step is rebuilt for every
-    # running request, every step).
+    # running request, every step). `packed`: the executor reads the packed_* arrays
+    # (Capabilities.packed_steps).
     msg = pb.StepRequest(step_id=step.step_id, finished_request_ids=step.finished_request_ids)
     add_new = msg.new_requests.add
     for r in step.new_requests:
@@ -89,7 +90,7 @@ def step_to_pb(step: StepInput) -> pb.StepRequest:
     cached_requests = step.cached_requests
     if not cached_requests:
         return msg
-    if all(r.allowed_token_mask is None for r in cached_requests):
+    if packed and all(r.allowed_token_mask is None for r in cached_requests):
         _pack_cached(msg, cached_requests)
         return msg
     add_cached = msg.cached_requests.add
@@ -318,6 +319,7 @@ def device_info_to_pb(d: DeviceInfo) -> pb.InitDeviceResponse:
             max_num_seqs=c.max_num_seqs,
             max_logprobs=c.max_logprobs,
             tensor_parallel_size=c.tensor_parallel_size,
+            packed_steps=c.packed_steps,
         ),
     )
 
@@ -350,6 +352,7 @@ def device_info_from_pb(m: pb.InitDeviceResponse) -> DeviceInfo:
             max_num_seqs=c.max_num_seqs,
             max_logprobs=c.max_logprobs,
             tensor_parallel_size=max(1, c.tensor_parallel_size),
+            packed_steps=c.packed_steps,
         ),
     )
 

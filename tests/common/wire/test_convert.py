@@ -174,3 +174,15 @@ def test_inconsistent_packed_arrays_never_raise():
         CachedRequestData("b", [4], -1, 1),
         CachedRequestData("c", [], -1, -1),
     ]
+
+
+def test_packed_steps_only_for_an_executor_that_reads_them():
+    from common.wire.config import Capabilities
+
+    step = StepInput(4, cached_requests=[CachedRequestData("a", [3], 9, 1)])
+    msg = convert.step_to_pb(step, packed=False)  # an older executor: messages
+    assert len(msg.cached_requests) == 1 and not msg.packed_request_ids
+    assert convert.step_from_pb(msg) == step
+    # This version's executors say so; one that does not set the field (older) reads False.
+    assert Capabilities().packed_steps
+    assert not convert.device_info_from_pb(pb.InitDeviceResponse()).capabilities.packed_steps
