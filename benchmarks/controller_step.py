@@ -14,7 +14,13 @@ executor's own time is measured apart and left out.
 With `--stream` the requests are streamed /v1/completions responses: each runs the API's SSE
 generator (`controller/api/streaming.py`: detokenizer, chunk templates, the direct write from
 the step loop) over an in-memory connection that takes every chunk and drops it, so the
-figure is the streamed path's Python cost without the socket's system calls.
+figure is the streamed path's Python cost without the socket's system calls. With `--tokens`
+they are streamed as `--stream-writers N` serves them: the step loop hands each step's token
+ids to the request's writer sink (`TokenSink`), which packs them into the writer's frame (the
+real frame builder; one frame per step, built and dropped): the core's cost of a streamed
+token with writers, whose own work happens in other processes.
+
+    python benchmarks/controller_step.py --running 64,256 --tokens
 
 Per point it reports the controller's CPU per step and per request-step (CPU time of the
 process minus the executor's, over a window of steps), and the steps per second that leaves.
@@ -98,6 +104,56 @@ async def stream_one(engine: Engine, gen: GenerationRequest, tokenizer: Tokenize
         pass
 
 
+class _FrameChannel:
+    """Stands in for a stream writer's channel (`controller/api/writers/pool.py`
+    `WriterChannel`): the real frame builder, one frame per step, built and dropped instead of
+    sent; a sequence's end sets its event."""
+
+    def __init__(self) -> None:
+        from controller.api.writers import frame as fr
+
+        self.builder = fr.StepBuilder()  # this step's frame
+        self.flush_due = False  # a flush is scheduled on the loop
+        self.loop = asyncio.get_running_loop()
+        self.done: dict[int, asyncio.Event] = {}  # slot -> set when its sequence ends
+        self.frames = 0  # frames built
+
+    def usage(self, slot: int, num_cached_tokens: int) -> None:
+        del slot, num_cached_tokens
+
+    def add(self, slot: int, token_ids: list[int], finish_reason: str | None) -> None:
+        self.builder.add(slot, token_ids, finish_reason)
+        if finish_reason is not None:
+            self.done.pop(slot).set()
+        if not self.flush_due:
+            self.flush_due = True
+            self.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self.flush_due = False
+        if len(self.builder):
+            self.builder.take()
+            self.frames += 1
+
+    def fail(self, slot: int, event: bytes) -> None:
+        self.done.pop(slot).set()
+
+
+async def tokens_one(engine: Engine, gen: GenerationRequest, channel: _FrameChannel) -> None:
+    """One streamed response as `--stream-writers` serves it: the step loop hands its token
+    ids to a writer's sink (`TokenSink`), which packs them into the writer's frame."""
+    from controller.api.writers.pool import TokenSink
+
+    slot = int(gen.request_id[1:])
+    done = channel.done[slot] = asyncio.Event()
+    tracked = engine.submit(gen, TokenSink(channel, slot, None))  # type: ignore[arg-type]
+    try:
+        await done.wait()
+    finally:
+        if not done.is_set():
+            engine.abort(tracked)
+
+
 class InProcessExecutor:
     """Stands in for ExecutorClient: a SimWorker called directly, through the step's and the
     result's protobuf round trip; the time spent on the executor's side is summed apart."""
@@ -178,6 +234,7 @@ async def measure_point(
     input_len: int,
     output_len: int,
     stream: bool = False,
+    tokens: bool = False,
 ) -> StepCost:
     blocks = (running + 8) * ((input_len + output_len) // 16 + 2) + 64
     config = ControllerConfig(
@@ -199,6 +256,7 @@ async def measure_point(
     rng = random.Random(0)
     stop = asyncio.Event()
     serial = 0
+    channel = _FrameChannel()
 
     async def client() -> None:
         nonlocal serial
@@ -212,6 +270,9 @@ async def measure_point(
                 ignore_eos=True,
                 stream=stream,
             )
+            if tokens:
+                await tokens_one(engine, gen, channel)
+                continue
             if stream:
                 await stream_one(engine, gen, tokenizer)
                 continue
@@ -258,6 +319,11 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--profile", default="", help="write a cProfile of the last point here")
     p.add_argument("--stream", action="store_true", help="streamed responses (SSE generator)")
+    p.add_argument(
+        "--tokens",
+        action="store_true",
+        help="streamed as --stream-writers serves them: token ids to a writer's frame",
+    )
     p.add_argument("--json", default="")
     a = p.parse_args()
     model = a.model or model_dir()
@@ -270,7 +336,9 @@ def main() -> None:
         if prof:
             prof.enable()
         r = asyncio.run(
-            measure_point(model, tokenizer, running, a.steps, a.input_len, a.output_len, a.stream)
+            measure_point(
+                model, tokenizer, running, a.steps, a.input_len, a.output_len, a.stream, a.tokens
+            )
         )
         if prof:
             prof.disable()

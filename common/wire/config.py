@@ -49,6 +49,7 @@ class Capabilities:
     max_num_seqs: int = 128  # most requests in one step
     max_logprobs: int = 20  # most top logprobs per position
     tensor_parallel_size: int = 1  # devices the model is sharded over behind this executor
+    packed_steps: bool = True  # reads StepRequest's packed_* arrays (False: an older executor)
 
 
 @dataclass

@@ -68,10 +68,11 @@ def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
 # --- steps ----------------------------------------------------------------------------------
 
 
-def step_to_pb(step: StepInput) -> pb.StepRequest:
+def step_to_pb(step: StepInput, packed: bool = True) -> pb.StepRequest:
     # Messages are added in place (``add``), repeated fields set only when non-empty: 2-3x
     # faster than building each message and handing the list over (a step is rebuilt for every
-    # running request, every step).
+    # running request, every step). `packed`: the executor reads the packed_* arrays
+    # (Capabilities.packed_steps).
     msg = pb.StepRequest(step_id=step.step_id, finished_request_ids=step.finished_request_ids)
     add_new = msg.new_requests.add
     for r in step.new_requests:
@@ -86,8 +87,14 @@ def step_to_pb(step: StepInput) -> pb.StepRequest:
         )
         if r.allowed_token_mask is not None:
             new.allowed_token_mask = r.allowed_token_mask
+    cached_requests = step.cached_requests
+    if not cached_requests:
+        return msg
+    if packed and all(r.allowed_token_mask is None for r in cached_requests):
+        _pack_cached(msg, cached_requests)
+        return msg
     add_cached = msg.cached_requests.add
-    for r in step.cached_requests:
+    for r in cached_requests:
         cached = add_cached(
             request_id=r.request_id,
             num_computed_tokens=r.num_computed_tokens,
@@ -98,6 +105,45 @@ def step_to_pb(step: StepInput) -> pb.StepRequest:
         if r.allowed_token_mask is not None:
             cached.allowed_token_mask = r.allowed_token_mask
     return msg
+
+
+def _pack_cached(msg: pb.StepRequest, cached: list[CachedRequestData]) -> None:
+    """The cached requests as the StepRequest's packed_* arrays (every decode step: one
+    array per field instead of a message per request)."""
+    msg.packed_request_ids.extend([r.request_id for r in cached])
+    msg.packed_num_computed_tokens.extend([r.num_computed_tokens for r in cached])
+    msg.packed_num_scheduled_tokens.extend([r.num_scheduled_tokens for r in cached])
+    counts = [len(r.new_block_ids) for r in cached]
+    if any(counts):
+        msg.packed_num_new_blocks.extend(counts)
+        blocks = msg.packed_new_block_ids
+        for r in cached:
+            if r.new_block_ids:
+                blocks.extend(r.new_block_ids)
+
+
+def _unpack_cached(m: pb.StepRequest) -> list[CachedRequestData]:
+    """The packed cached requests of a StepRequest. Never raises on inconsistent arrays (the
+    sender may be anyone): a missing count is -1 and fails that request alone at the step
+    check (a bad schedule), and a request whose blocks are missing gets those there are."""
+    ids = m.packed_request_ids
+    n = len(ids)
+    computed = list(m.packed_num_computed_tokens[:n])
+    computed += [-1] * (n - len(computed))
+    scheduled = list(m.packed_num_scheduled_tokens[:n])
+    scheduled += [-1] * (n - len(scheduled))
+    counts = list(m.packed_num_new_blocks[:n])
+    if not any(counts):
+        return [CachedRequestData(*row) for row in zip(ids, [[] for _ in ids], computed, scheduled)]
+    counts += [0] * (n - len(counts))
+    blocks = list(m.packed_new_block_ids)
+    out = []
+    at = 0
+    for rid, count, comp, sched in zip(ids, counts, computed, scheduled):
+        take = max(count, 0)
+        out.append(CachedRequestData(rid, blocks[at : at + take], comp, sched))
+        at += take
+    return out
 
 
 def _wire_error(exc: Exception) -> str:
@@ -164,7 +210,8 @@ def step_from_pb(m: pb.StepRequest) -> StepInput:
                 allowed_token_mask=r.allowed_token_mask or None,
             )
             for r in m.cached_requests
-        ],
+        ]
+        + (_unpack_cached(m) if m.packed_request_ids else []),
         finished_request_ids=list(m.finished_request_ids),
     )
 
@@ -272,6 +319,7 @@ def device_info_to_pb(d: DeviceInfo) -> pb.InitDeviceResponse:
             max_num_seqs=c.max_num_seqs,
             max_logprobs=c.max_logprobs,
             tensor_parallel_size=c.tensor_parallel_size,
+            packed_steps=c.packed_steps,
         ),
     )
 
@@ -304,6 +352,7 @@ def device_info_from_pb(m: pb.InitDeviceResponse) -> DeviceInfo:
             max_num_seqs=c.max_num_seqs,
             max_logprobs=c.max_logprobs,
             tensor_parallel_size=max(1, c.tensor_parallel_size),
+            packed_steps=c.packed_steps,
         ),
     )
 

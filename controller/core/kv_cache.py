@@ -204,7 +204,22 @@ class KVCacheManager:
             first_position = request.num_computed_tokens + len(computed) * self.block_size
             self._release_out_of_window(rid, table, first_position)
             new_blocks = table
+        self._set_room(request, table)
         return [block.block_id for block in new_blocks]
+
+    def _set_room(self, request: Request, table: list[KVBlock]) -> None:
+        """Tell the request how far it may grow without an `allocate_slots` call (see
+        `Request.kv_room`): the slots its table holds, and the end of its first block not yet
+        cached. A sliding window releases blocks as computation advances: always call."""
+        if self.sliding_window:
+            request.kv_room = request.kv_hash_limit = 0
+            return
+        request.kv_room = len(table) * self.block_size
+        request.kv_hash_limit = (
+            (self._num_cached[request.request_id] + 1) * self.block_size
+            if self.enable_prefix_caching
+            else request.kv_room + 1
+        )
 
     def _release_out_of_window(self, rid: str, table: list[KVBlock], position: int) -> None:
         """Give back the leading blocks that no query at ``position`` or later can see (a
@@ -236,6 +251,7 @@ class KVCacheManager:
         """
         table = self._tables.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)
+        request.kv_room = request.kv_hash_limit = 0
         released = self._num_released.pop(request.request_id, 0)
         if not table:
             return

@@ -68,6 +68,16 @@ class Request:
     num_preemptions: int = 0  # times evicted by recompute
     num_cached_tokens: int = 0  # prefix-cache hit, in tokens, when first scheduled
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
+    # Set by the KV-cache manager after each allocation (0 while it holds no blocks): a step
+    # that keeps num_computed_tokens + scheduled within `kv_room`, and the known tokens below
+    # `kv_hash_limit` (no block newly full to cache), needs no allocation call (the
+    # scheduler's decode fast path).
+    kv_room: int = 0
+    kv_hash_limit: int = 0
+    # Every id that may end the request with "stop" (stop ids, and EOS ids unless ignored),
+    # set when the scheduler queues it: a sampled token outside it, below max_tokens and
+    # max_model_len, needs no `check_stop` call.
+    stop_set: frozenset[int] = frozenset()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -16,18 +16,14 @@ of work per step in flight is wasted that way).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import NamedTuple
-
 from common.wire.step_types import (
     CachedRequestData,
     NewRequestData,
-    RequestStepOutput,
     StepInput,
     StepOutput,
 )
 from controller.core.kv_cache import KVCacheManager
-from controller.core.output_grammar import advance, next_mask
+from controller.core.output_grammar import next_mask
 from controller.core.request import (
     FINISH_REASONS,
     FinishReason,
@@ -43,16 +39,8 @@ from controller.core.scheduler_base import (  # noqa: F401  (re-exported: the sc
     SchedulerStats,
     load_scheduler_class,
 )
-
-
-class _Scheduled(NamedTuple):
-    """What a step in flight does for one request (a tuple: built for every request, every
-    step)."""
-
-    start: int  # the request's num_computed_tokens before the step
-    num_tokens: int  # tokens computed by the step
-    samples: bool  # the step samples the request's next token (a placeholder until received)
-    epoch: int  # the request's num_preemptions when scheduled (a later preemption voids it)
+from controller.core.step_results import Scheduled as _Scheduled
+from controller.core.step_results import apply_outputs, apply_tokens
 
 
 class Scheduler(SchedulerBase):
@@ -145,6 +133,9 @@ class Scheduler(SchedulerBase):
                     f"the prompt has {request.num_prompt_tokens} tokens; {what} {limit}"
                 )
         request.max_model_len = min(limit for limit, _ in limits)
+        request.stop_set = frozenset(request.stop_token_ids).union(
+            () if request.ignore_eos else request.eos_token_ids
+        )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         if request.grammar is not None:
@@ -204,21 +195,40 @@ class Scheduler(SchedulerBase):
         full_budget = self.config.max_num_batched_tokens
         if self.config.chunked_prefill:  # an unchunked prompt needs the whole budget
             full_budget = max(1, min(self.token_budget, full_budget))
-        budget = full_budget
         cached: dict[str, CachedRequestData] = {}
         plan: dict[str, _Scheduled] = {}
-        preempted = False
+        budget, preempted = self._schedule_running(full_budget, cached, plan)
+        new: list[NewRequestData] = []
+        if not preempted:
+            budget = self._schedule_waiting(budget, new, plan)
 
+        self._last_step_tokens = full_budget - budget
+        if not new and not cached:  # nothing to send: keep the step id and the finished ids
+            return StepInput(step_id=self._step_id + 1)
+        self._step_id += 1
+        step = StepInput(self._step_id, new, list(cached.values()), self._finished_ids)
+        self._finished_ids = []
+        self._inflight[self._step_id] = plan
+        return step
+
+    def _schedule_running(
+        self, budget: int, cached: dict[str, CachedRequestData], plan: dict[str, _Scheduled]
+    ) -> tuple[int, bool]:
+        """Schedule the running requests in order, within `budget`; (budget left, whether a
+        request was preempted). Runs once per running request per step, so it is inlined:
+        num_tokens, can_sample_more, _cap, _advance, and the decode fast path (a request whose
+        table has room and no block newly full needs no `allocate_slots` call)."""
         threshold = self.config.long_prefill_token_threshold
-        allocate_slots = self.kv.allocate_slots
+        running = self.running
+        preempted = False
         index = 0
-        while index < len(self.running):
-            request = self.running[index]
-            # Inlined (once per running request per step): num_tokens, can_sample_more, _cap.
+        while index < len(running):
+            request = running[index]
             num_output = len(request.output_token_ids)
             pending = request.num_pending_tokens
             num_known = len(request.prompt_token_ids) + num_output
-            num_new = num_known + pending - request.num_computed_tokens
+            start = request.num_computed_tokens
+            num_new = num_known + pending - start
             if pending and request.grammar is not None:
                 index += 1  # its next allowed tokens depend on the token in flight
                 continue
@@ -234,42 +244,68 @@ class Scheduler(SchedulerBase):
             if num_new <= 0:
                 index += 1
                 continue
-            while True:
-                new_block_ids = allocate_slots(request, num_new)
-                if new_block_ids is not None:
-                    break
-                victim = self._pick_victim()
-                victim_index = self.running.index(victim)
-                self._preempt(victim)
-                preempted = True
-                entry = cached.pop(victim.request_id, None)
-                if entry is not None:  # scheduled earlier in this step: take it back
-                    budget += entry.num_scheduled_tokens
-                    del plan[victim.request_id]
-                if victim_index < index:
-                    index -= 1
-                if victim is request:
-                    break
-            if new_block_ids is None:
-                continue  # `request` preempted itself; the next one is now at `index`
+            num_total = start + num_new
+            if num_total <= request.kv_room and min(num_total, num_known) < request.kv_hash_limit:
+                new_block_ids: list[int] | None = []  # room held, no block to cache
+            else:
+                new_block_ids = self.kv.allocate_slots(request, num_new)
+                if new_block_ids is None:
+                    preempted = True
+                    new_block_ids, index, freed = self._preempt_for(
+                        request, num_new, index, cached, plan
+                    )
+                    budget += freed
+                    if new_block_ids is None:
+                        continue  # `request` preempted itself; the next one is now at `index`
             rid = request.request_id
-            start = request.num_computed_tokens
-            # Inlined _advance: a chunk reaching the end of the known tokens and placeholders
-            # samples one more.
-            request.num_computed_tokens = start + num_new
-            samples = start + num_new == num_known + pending
+            request.num_computed_tokens = num_total
+            # A chunk reaching the end of the known tokens and placeholders samples one more.
+            samples = num_total == num_known + pending
             mask = None
             if samples:
                 request.num_pending_tokens = pending + 1
                 if request.grammar is not None:
                     mask = next_mask(request)
             cached[rid] = CachedRequestData(rid, new_block_ids, start, num_new, mask)
-            plan[rid] = _Scheduled(start, num_new, samples, request.num_preemptions)
+            plan[rid] = (request, start, samples, request.num_preemptions)  # type: ignore[assignment]
             budget -= num_new
             index += 1
+        return budget, preempted
 
-        new: list[NewRequestData] = []
-        while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _preempt_for(
+        self,
+        request: Request,
+        num_new: int,
+        index: int,
+        cached: dict[str, CachedRequestData],
+        plan: dict[str, _Scheduled],
+    ) -> tuple[list[int] | None, int, int]:
+        """Preempt victims until `request` (at `index` of running) gets its slots, or is the
+        victim itself. Returns (its new block ids, or None when it was preempted; its index in
+        running now; the tokens given back by victims scheduled earlier in this step)."""
+        freed = 0
+        while True:
+            victim = self._pick_victim()
+            victim_index = self.running.index(victim)
+            self._preempt(victim)
+            entry = cached.pop(victim.request_id, None)
+            if entry is not None:  # scheduled earlier in this step: take it back
+                freed += entry.num_scheduled_tokens
+                del plan[victim.request_id]
+            if victim_index < index:
+                index -= 1
+            if victim is request:
+                return None, index, freed
+            new_block_ids = self.kv.allocate_slots(request, num_new)
+            if new_block_ids is not None:
+                return new_block_ids, index, freed
+
+    def _schedule_waiting(
+        self, budget: int, new: list[NewRequestData], plan: dict[str, _Scheduled]
+    ) -> int:
+        """Admit waiting requests while budget, `max_num_seqs` and blocks last; the budget
+        left."""
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request is None:
                 break
@@ -308,15 +344,7 @@ class Scheduler(SchedulerBase):
                 )
             )
             budget -= num_new
-
-        self._last_step_tokens = full_budget - budget
-        if not new and not cached:  # nothing to send: keep the step id and the finished ids
-            return StepInput(step_id=self._step_id + 1)
-        self._step_id += 1
-        step = StepInput(self._step_id, new, list(cached.values()), self._finished_ids)
-        self._finished_ids = []
-        self._inflight[self._step_id] = plan
-        return step
+        return budget
 
     @staticmethod
     def _advance(request: Request, num_new: int) -> _Scheduled:
@@ -327,7 +355,7 @@ class Scheduler(SchedulerBase):
         samples = request.num_computed_tokens == request.num_tokens + request.num_pending_tokens
         if samples:
             request.num_pending_tokens += 1
-        return _Scheduled(start, num_new, samples, request.num_preemptions)
+        return _Scheduled(request, start, samples, request.num_preemptions)
 
     # -- results -----------------------------------------------------------------------------
 
@@ -335,65 +363,15 @@ class Scheduler(SchedulerBase):
         """Replace placeholders by sampled tokens, finish on stop / length / error.
 
         Steps must be applied in the order they were scheduled."""
-        updates: list[RequestUpdate] = []
         plan = self._inflight.pop(step.step_id, {})
-        num_finished = 0
-        requests = self.requests
-        running = RequestStatus.RUNNING
-        for request_id, token, out in _results(step, output):
-            request = requests.get(request_id)
-            entry = plan.get(request_id)
-            if (
-                request is None
-                or entry is None
-                or request.status is not running
-                or entry.epoch != request.num_preemptions
-            ):
-                continue  # finished, aborted or preempted meanwhile, or not part of this step
-            update = RequestUpdate(request_id)
-            if out is not None:
-                update.prompt_logprobs = out.prompt_logprobs
-            if out is not None and out.error:
-                update.finish_reason, update.error = "error", out.error
-                request.num_computed_tokens = entry.start  # its KV from here is not trusted
-            elif entry.samples:
-                request.num_pending_tokens -= 1
-                if token is None:
-                    update.finish_reason, update.error = "error", "the executor sampled nothing"
-                else:
-                    request.output_token_ids.append(token)
-                    update.new_token_ids = [token]
-                    if out is not None and out.logprobs is not None:
-                        update.logprobs = [out.logprobs]
-                    update.finish_reason = request.check_stop()
-                    if request.grammar is not None and update.finish_reason is None:
-                        update.finish_reason, update.error = advance(request, token)
-            if update.finish_reason is not None:
-                self._finish(request, update.finish_reason, unlink=False)
-                update.finished = True
-                num_finished += 1
-            if update.new_token_ids or update.prompt_logprobs or update.finished:
-                updates.append(update)
+        if output.sampled_token_ids is not None and not output.outputs:
+            updates, num_finished = apply_tokens(step, output.sampled_token_ids, plan, self._end)
+        else:
+            updates, num_finished = apply_outputs(step, output, plan, self._end)
         if num_finished:  # one pass instead of a list removal per finished request
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return updates
 
-
-def _results(
-    step: StepInput, output: StepOutput
-) -> Iterator[tuple[str, int | None, RequestStepOutput | None]]:
-    """(request id, sampled token or None, its full output if it has one) per request of the
-    step, from either form of StepOutput (see its sampled_token_ids)."""
-    if output.sampled_token_ids is None:
-        for out in output.outputs:
-            yield out.request_id, out.sampled_token_id, out
-        return
-    extras = {out.request_id: out for out in output.outputs}
-    ids = [r.request_id for r in step.new_requests]
-    ids += [r.request_id for r in step.cached_requests]
-    for request_id, token in zip(ids, output.sampled_token_ids):
-        out = extras.get(request_id) if extras else None
-        if out is not None:
-            yield request_id, out.sampled_token_id, out
-        else:
-            yield request_id, (None if token < 0 else token), None
+    def _end(self, request: Request, reason: FinishReason) -> None:
+        """Finish a request whose result ended it (still in `running`: removed in one pass)."""
+        self._finish(request, reason, unlink=False)

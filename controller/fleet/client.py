@@ -117,6 +117,9 @@ class ExecutorClient:
         self.lease_seconds = lease_seconds  # the lease asked for (0 = the executor's default)
         self.generation = 0  # the session InitDevice granted (0: none, or an older executor)
         self.granted_seconds = 0.0  # the lease granted (0: none to renew)
+        # The executor reads packed steps (its Capabilities.packed_steps, set at each
+        # handshake); False until then: every executor reads the per-request messages.
+        self.packed_steps = False
         self._channel: grpc.aio.Channel | None = None  # opened in the serving event loop
         self._call = None  # the open ExecuteModel stream
 
@@ -283,7 +286,7 @@ class ExecutorClient:
         """Send one step on the stream (opened on first use); results come back in order.
         StepNotSendable, before anything is sent, when the step cannot be converted."""
         try:
-            msg = convert.step_to_pb(step)
+            msg = convert.step_to_pb(step, self.packed_steps)
         except convert.CONVERSION_ERRORS as exc:
             raise StepNotSendable(f"step {step.step_id}: {exc!r}") from exc
         try:

@@ -66,12 +66,18 @@ class PlacedRequests(dict[str, "Tracked"]):
         one's expected output is capped at `expected_output`."""
         uncomputed = decode = 0
         cap = int(expected_output)
+        waiting = RequestStatus.WAITING
+        # Once per placement over every request here: the Request properties are inlined.
         for t in self.values():
             req = t.request
             if req is not None:
                 done = req.num_computed_tokens
-                if req.status is RequestStatus.WAITING:  # its prefix hit will be reused
-                    done = max(done, t.expected_hit)
-                uncomputed += max(req.num_tokens - done, 0)
-                decode += min(req.max_tokens - req.num_output_tokens, cap)
+                if req.status is waiting and t.expected_hit > done:  # its hit will be reused
+                    done = t.expected_hit
+                num_output = len(req.output_token_ids)
+                left = len(req.prompt_token_ids) + num_output - done
+                if left > 0:
+                    uncomputed += left
+                left = req.max_tokens - num_output
+                decode += left if left < cap else cap
         return uncomputed, decode

@@ -250,6 +250,7 @@ class ExecutorSession(SessionView, StepLoop, Handover):
         if hs.info.incarnation_id:  # restarted since Identify: claim the new process
             self._claim(hs.info.incarnation_id)
         self.owner.check_compatible(self.address, hs.info)
+        self.client.packed_steps = hs.info.capabilities.packed_steps
         self._retire_scheduler()
         self.scheduler = new_scheduler(cfg, hs.info, hs.num_blocks)
         self.max_num_batched_tokens = self.scheduler.config.max_num_batched_tokens

@@ -124,15 +124,38 @@ class StepLoop:
             self.steps += 1
             self.tokens += num_tokens
             series = self.series
-            find = self.tracked.get  # bound once per step: the lookup runs per request
-            for update in updates:
-                tracked = find(update.request_id)
-                if tracked is not None and tracked.request is not None:
-                    try:
-                        self._emit(tracked, update, now, series)
-                    except Exception as exc:  # this request's fault: it fails alone
-                        self._emit_failed(tracked, exc, series)
+            self._deliver_updates(updates, now, series)
             self.metrics.step_done(series, num_tokens, step.num_requests, seconds, sched.stats())
+
+    def _deliver_updates(
+        self, updates: list[RequestUpdate], now: float, series: ExecutorSeries
+    ) -> None:
+        """Each update to its request (`_emit`). This runs per token, so the two common cases
+        are inlined: a plain token of a non-streamed request is only counted and held
+        (`hold_quietly`), and one of a tokens-only request that already started goes to its
+        sink (`_emit_tokens`)."""
+        find = self.tracked.get  # bound once per step: the lookup runs per request
+        tokens_generated = self.metrics.tokens_generated
+        for update in updates:
+            tracked = find(update.request_id)
+            if tracked is None or tracked.request is None:
+                continue
+            try:
+                if update.new_token_ids and not update.finished and not tracked.lost_at:
+                    if tracked.tokens_only:
+                        if tracked.delivered and not update.error:
+                            ids = update.new_token_ids
+                            tokens_generated(series, tracked.stats, len(ids), now)
+                            tracked.queue.put_tokens(ids, None, tracked.num_cached_tokens)  # type: ignore[attr-defined]
+                            continue
+                    elif tracked.quiet and update.logprobs is None and not update.prompt_logprobs:
+                        count = len(update.new_token_ids)
+                        tokens_generated(series, tracked.stats, count, now)
+                        tracked.unsent_tokens += count
+                        continue
+                self._emit(tracked, update, now, series)
+            except Exception as exc:  # this request's fault: it fails alone
+                self._emit_failed(tracked, exc, series)
 
     async def _send(self, step: StepInput) -> StepInput:
         """Send a step; the step sent. Requests whose data cannot be converted are left out
@@ -229,7 +252,10 @@ class StepLoop:
     ) -> None:
         """A tokens-only request's update: its raw ids to its sink (a stream writer's)."""
         reason = update.finish_reason if update.finished else None
-        tracked.note_cache_hit()
+        if reason is not None or not tracked.delivered:
+            # The sink sends the hit with the first tokens and the end only; it is fixed once
+            # the request is first scheduled (Tracked.note_cache_hit).
+            tracked.note_cache_hit()
         sink = tracked.queue
         sink.put_tokens(  # type: ignore[attr-defined]
             update.new_token_ids, reason, tracked.num_cached_tokens, update.logprobs

@@ -165,6 +165,33 @@ def test_controller_step_benchmark(default_model_dir, tmp_path):
         assert p["cpu_ms_per_step"] > 0 and p["cpu_us_per_request_step"] > 0
 
 
+def test_controller_step_benchmark_with_writer_sinks(default_model_dir, tmp_path):
+    """--tokens: requests streamed through writer sinks (token ids into a frame per step);
+    requests end and are replaced, so every step keeps its batch."""
+    out = tmp_path / "cs_tokens.json"
+    run = run_script(
+        [
+            "benchmarks/controller_step.py",
+            "--model",
+            default_model_dir,
+            "--running",
+            "6",
+            "--steps",
+            "40",
+            "--output-len",
+            "8",
+            "--tokens",
+            "--json",
+            str(out),
+        ],
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    (point,) = json.loads(out.read_text())["points"]
+    assert point["steps"] >= 40 and 0 < point["batch"] <= 6
+    assert point["cpu_us_per_request_step"] > 0
+
+
 def test_cpu_step_benchmark_times_every_variant(default_model_dir, tmp_path):
     out = tmp_path / "cpu_step.json"
     run = run_script(

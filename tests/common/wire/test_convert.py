@@ -132,3 +132,57 @@ def test_requests_that_cannot_go_on_the_wire_are_named_without_echoing_them():
     for text in problems.values():
         text.encode("utf-8")  # never quotes a lone surrogate back
     assert "\\ud800" in problems["\ud800"]
+
+
+def test_cached_requests_go_packed_unless_one_has_a_mask():
+    cached = [
+        CachedRequestData("b", [], 40, 1),
+        CachedRequestData("c", [8, 9], 63, 1),
+        CachedRequestData("d", [], 7, 3),
+        CachedRequestData("e", [11], 15, 1),
+    ]
+    step = StepInput(9, cached_requests=cached, finished_request_ids=["x"])
+    msg = convert.step_to_pb(step)
+    assert not msg.cached_requests and list(msg.packed_request_ids) == ["b", "c", "d", "e"]
+    assert list(msg.packed_num_new_blocks) == [0, 2, 0, 1]
+    assert convert.step_from_pb(pb.StepRequest.FromString(msg.SerializeToString())) == step
+    decode = StepInput(10, cached_requests=[CachedRequestData(r, [], 9, 1) for r in "ab"])
+    msg = convert.step_to_pb(decode)
+    assert not msg.packed_num_new_blocks  # no block appended: no counts sent
+    assert convert.step_from_pb(msg) == decode
+    # A mask needs the message form: then every cached request goes as a message (one order).
+    masked = StepInput(11, cached_requests=[cached[0], CachedRequestData("m", [], 3, 1, b"\1")])
+    msg = convert.step_to_pb(masked)
+    assert not msg.packed_request_ids and len(msg.cached_requests) == 2
+    assert convert.step_from_pb(msg) == masked
+
+
+def test_inconsistent_packed_arrays_never_raise():
+    # Missing numbers become -1 (the executor's step check rejects that request alone);
+    # missing blocks are cut short.
+    msg = pb.StepRequest(
+        step_id=1,
+        packed_request_ids=["a", "b", "c"],
+        packed_num_computed_tokens=[4],
+        packed_num_scheduled_tokens=[1, 1],
+        packed_num_new_blocks=[1, 5],
+        packed_new_block_ids=[3, 4],
+    )
+    step = convert.step_from_pb(msg)
+    assert step.cached_requests == [
+        CachedRequestData("a", [3], 4, 1),
+        CachedRequestData("b", [4], -1, 1),
+        CachedRequestData("c", [], -1, -1),
+    ]
+
+
+def test_packed_steps_only_for_an_executor_that_reads_them():
+    from common.wire.config import Capabilities
+
+    step = StepInput(4, cached_requests=[CachedRequestData("a", [3], 9, 1)])
+    msg = convert.step_to_pb(step, packed=False)  # an older executor: messages
+    assert len(msg.cached_requests) == 1 and not msg.packed_request_ids
+    assert convert.step_from_pb(msg) == step
+    # This version's executors say so; one that does not set the field (older) reads False.
+    assert Capabilities().packed_steps
+    assert not convert.device_info_from_pb(pb.InitDeviceResponse()).capabilities.packed_steps
