@@ -38,6 +38,10 @@ from tests.support.processes import (
 )
 
 FULL = os.environ.get("TANDEM_IMAGE_TESTS", "") == "all"
+# The TPU image: PyPI's torch 2.9.0, the CUDA build, the only one torch_xla 2.9.0 takes that is
+# reachable here (~37 minutes cold on two cores: too long for the default run); "tpu": it alone
+# beside the default builds.
+TPU = FULL or os.environ.get("TANDEM_IMAGE_TESTS", "") == "tpu"
 # The first test carries the builds (its fixtures): ~10 minutes cold on two loaded cores by
 # default, ~35 with the CUDA images; pytest's 600 s per test is for one test's own work.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400 if FULL else 1800)]
@@ -51,7 +55,7 @@ EXECUTOR_IMAGE = FULL or CPU_TORCH is not None
 BUILDS = {"controller": []}
 if EXECUTOR_IMAGE:
     BUILDS["executor-gpu"] = CPU_TORCH.build_args() if CPU_TORCH else []
-if FULL:  # PyPI's torch 2.9.0 (what torch_xla needs): the layer the GPU image's build made
+if TPU:  # PyPI's torch 2.9.0 (what torch_xla needs): with FULL, the GPU image's torch layer
     BUILDS["executor-tpu"] = []
 needs_executor_image = pytest.mark.skipif(
     not EXECUTOR_IMAGE,
@@ -259,7 +263,7 @@ def _run_as_image_user(c: image_runner.ChrootContainer, argv: list[str]):
     return subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.skipif(not FULL, reason="the TPU image is built with TANDEM_IMAGE_TESTS=all")
+@pytest.mark.skipif(not TPU, reason="the TPU image is built with TANDEM_IMAGE_TESTS=all or tpu")
 def test_tpu_image_warms_up_on_xla_cpu(built, tmp_path):
     """The TPU image's executor on XLA:CPU (PJRT_DEVICE=CPU: no TPU here) behind the built
     controller: it passes warm-up (the controller's cache set-up compiles its graphs) and
@@ -277,6 +281,30 @@ def test_tpu_image_warms_up_on_xla_cpu(built, tmp_path):
         assert _complete(url, os.path.basename(controller.model))
     with open(tmp_path / "executor.log") as f:
         assert "warm-up" in f.read()
+
+
+def test_images_hold_their_venv_once_and_no_build_host_setting(built):
+    """The executor images install their venv in the final stage: the build stage the store
+    keeps beside an image (<image>:test-build) holds no venv of the image's (it once held the
+    whole venv, torch's GBs, copied again into the final stage: ~3x the image's size on the
+    builder's disk at its peak). No history entry of either names a build-host path (this
+    checkout, the wheel folder) or a pip setting: those come as the pip.conf secret."""
+    wheels = CPU_TORCH.wheels if CPU_TORCH and CPU_TORCH.wheels else None
+    pip = ["PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_CERT", "PIP_FIND_LINKS", "src="]
+    forbidden = [p for p in (image_runner.ROOT, wheels, *pip) if p]
+    base = image_runner.size(image_runner.BASE_IMAGE)
+    for image in BUILDS:
+        for tag in (image_runner.ref(image), image_runner.ref(image) + "-build"):
+            for _, created_by in image_runner.history(tag):
+                found = [p for p in forbidden if p in created_by]
+                assert not found, f"{tag}: {found} in its history: {created_by[:200]}"
+        if image.startswith("executor-"):
+            build_stage = image_runner.size(image_runner.ref(image) + "-build") - base
+            assert build_stage < 200 * 2**20, f"{image}'s build stage holds {build_stage} bytes"
+            final = image_runner.history(image_runner.ref(image))
+            assert not any(c.startswith("|") for _, c in final), "build arguments in the image"
+            torch_layers = [n for n, c in final if "-r /tmp/build/torch.txt" in c]
+            assert len(torch_layers) == 1 and torch_layers[0] > 100 * 2**20
 
 
 def test_image_sizes_are_reported(image_server):
