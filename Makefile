@@ -99,8 +99,13 @@ DOCKER ?= $(shell command -v podman >/dev/null 2>&1 && echo podman || echo docke
 DOCKER_BUILD_FLAGS := $(if $(filter podman,$(notdir $(DOCKER))),--isolation chroot,)
 # Extra build arguments, e.g. --build-arg BASE_IMAGE=... --build-arg TORCH_INDEX_URL=..., or a
 # CPU torch from a local wheel (podman): --build-arg TORCH=torch==2.13.0+cpu
-# --build-arg PIP_FIND_LINKS=/opt/wheels -v /opt/wheels:/opt/wheels:ro (docs/kubernetes.md)
+# -v /opt/wheels:/mnt/find-links:ro, with find-links = /mnt/find-links in PIP_CONF (docs/kubernetes.md)
 IMAGE_BUILD_ARGS ?=
+# A pip.conf for the builds (a mirror's index and credentials, a CA bundle, find-links), given
+# as a build secret: it reaches no layer and no `history` entry. Unset: PyPI.
+PIP_CONF ?=
+comma := ,
+PIP_CONF_SECRET := $(if $(PIP_CONF),--secret id=pip.conf$(comma)src=$(PIP_CONF),)
 IMAGES := controller executor-gpu executor-tpu
 
 .PHONY: chart-deps chart-test images image-deps docker-engine $(addprefix image-,$(IMAGES))
@@ -120,7 +125,7 @@ images: $(addprefix image-,$(IMAGES))
 
 $(addprefix image-,$(IMAGES)): image-%: docker-engine
 	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/$*.Dockerfile -t $(IMAGE_REGISTRY)tandem/$*:$(IMAGE_TAG) \
-	  $(DOCKER_BUILD_FLAGS) $(IMAGE_BUILD_ARGS) .
+	  $(DOCKER_BUILD_FLAGS) $(PIP_CONF_SECRET) $(IMAGE_BUILD_ARGS) .
 
 docker-engine:
 	@$(DOCKER) info >/dev/null 2>&1 || { echo "no image builder answers ($(DOCKER) info failed): images need podman or a Docker engine" >&2; exit 1; }

@@ -8,11 +8,6 @@
 ARG BASE_IMAGE=python:3.11.13-slim-bookworm
 
 FROM ${BASE_IMAGE} AS build
-# pip's index, extra index and CA bundle when not PyPI's (a mirror): unset by default, and
-# build arguments of this stage only, so nothing of the build host reaches the runtime image.
-ARG PIP_INDEX_URL
-ARG PIP_EXTRA_INDEX_URL
-ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
@@ -22,7 +17,10 @@ COPY proto ./proto
 COPY common ./common
 COPY controller ./controller
 # The gRPC stubs are generated here (they are never tracked), with the grpcio the image keeps.
-RUN pip install "grpcio-tools>=1.66" \
+# pip's index, mirror or CA bundle come from an optional build secret, a pip.conf (podman/docker
+# build --secret id=pip.conf,src=FILE): never in a layer or the image history.
+RUN --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
+    pip install "grpcio-tools>=1.66" \
  && python -m grpc_tools.protoc -Icommon/wire/pb=proto --python_out=. --grpc_python_out=. proto/executor.proto \
  && pip install ".[controller]" \
  && pip uninstall -y grpcio-tools

@@ -24,10 +24,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # already built on this machine.
 BASE_IMAGE = os.environ.get("TANDEM_TEST_BASE_IMAGE", "localhost/tandem-base:bookworm-py3.11-v2")
 # Free bytes podman's store needs to build an image from scratch, at its peak: the executor
-# image's with PyPI's (CUDA) torch, with a CPU torch, the controller's.
-MIN_FREE_BYTES = {"executor-gpu": 20 * 2**30, "executor-cpu": 6 * 2**30, "controller": 3 * 2**30}
+# image's with PyPI's (CUDA) torch, with a CPU torch, the controller's. Committing a layer
+# writes it ~3 more times before the build's copy goes (the container's, a tar in /var/tmp,
+# the store's blob, the new layer): PyPI's torch layer, ~7 GB, took 26 GB at its peak.
+MIN_FREE_BYTES = {"executor-gpu": 28 * 2**30, "executor-cpu": 6 * 2**30, "controller": 3 * 2**30}
 MIN_FREE_BYTES["executor-tpu"] = MIN_FREE_BYTES["executor-gpu"]  # the same torch layer
-TAG = "test"  # tag of the images the tests build: localhost/tandem/<image>:test
+# Tag of the images the tests build, localhost/tandem/<image>:<TAG>; TANDEM_TEST_IMAGE_TAG:
+# another, so that two checkouts building on one host keep apart.
+TAG = os.environ.get("TANDEM_TEST_IMAGE_TAG", "test")
 
 
 def ref(image: str) -> str:
@@ -42,12 +46,12 @@ def podman_usable(images: list[str], full: bool = True) -> str:
         return "podman and debootstrap are not installed (make image-deps)"
     if os.geteuid() != 0:
         return "podman's chroot builds and the chroot runs need root"
-    # PyPI's torch is the CUDA build: the GPU image holds ~7.3 GB, and podman's overlay store
-    # needs about twice that while it commits the layer.
     store = "/var/lib/containers/storage"
     free = shutil.disk_usage(store if os.path.exists(store) else "/").free
     sized = [i if full or i != "executor-gpu" else "executor-cpu" for i in images]
-    need = max(MIN_FREE_BYTES[image] for image in sized)
+    # The TPU image built before (its torch never changes) rebuilds from cached layers.
+    cached = {"executor-tpu"} if image_id(ref("executor-tpu")) else set()
+    need = max([MIN_FREE_BYTES[s] for s in sized if s not in cached] or [0])
     if free < need:
         return (
             f"{free / 2**30:.0f} GiB free for podman's store; building {', '.join(images)} "
@@ -56,19 +60,28 @@ def podman_usable(images: list[str], full: bool = True) -> str:
     return ""
 
 
-def host_pip_args() -> list[str]:
-    """Build arguments that give the build this host's pip index and CA bundle (file:// indexes
-    left out: the build cannot see them)."""
-    args = []
-    for var in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"):
+# Where a CPU torch's wheel folder is mounted in a build (pip.conf's find-links names it): a
+# fixed path, so that no host path reaches the build's instructions or the image's history.
+WHEELS_MOUNT = "/mnt/find-links"
+
+
+def pip_conf(path: str, find_links: bool = False) -> str:
+    """Write the pip.conf the builds get as their `pip.conf` secret (never a layer or the
+    history): this host's pip index and CA bundle (file:// indexes left out: the build cannot
+    see them), WHEELS_MOUNT as find-links when asked; path returned."""
+    lines = ["[global]"]
+    for var, key in (("PIP_INDEX_URL", "index-url"), ("PIP_EXTRA_INDEX_URL", "extra-index-url")):
         urls = [u for u in os.environ.get(var, "").split() if not u.startswith("file:")]
         if urls:
-            args += ["--build-arg", f"{var}={' '.join(urls)}"]
-    cert = os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE")
-    if cert:
+            lines.append(f"{key} = {' '.join(urls)}")
+    if os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE"):
         # The local base holds the host's extra CAs in Debian's bundle, at the usual path.
-        args += ["--build-arg", "PIP_CERT=/etc/ssl/certs/ca-certificates.crt"]
-    return args
+        lines.append("cert = /etc/ssl/certs/ca-certificates.crt")
+    if find_links:
+        lines.append(f"find-links = {WHEELS_MOUNT}")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
 
 
 @dataclass
@@ -80,13 +93,13 @@ class CpuTorch:
     index_url: str = ""  # the extra index that serves it (TORCH_INDEX_URL), or ""
 
     def build_args(self) -> list[str]:
-        """podman build arguments (and build-time volume) that install this torch."""
+        """podman build arguments (and build-time volume) that install this torch; the wheel
+        folder is found through pip.conf's find-links (pip_conf)."""
         if self.index_url:
             return ["--build-arg", f"TORCH_INDEX_URL={self.index_url}"]
         return [
             *("--build-arg", f"TORCH={self.requirement}"),
-            *("--build-arg", f"PIP_FIND_LINKS={self.wheels}"),
-            *("-v", f"{self.wheels}:{self.wheels}:ro"),
+            *("-v", f"{self.wheels}:{WHEELS_MOUNT}:ro"),
         ]
 
 
@@ -136,26 +149,63 @@ def build_base(log_path: str) -> float:
 
 def build(image: str, log_path: str, args: list[str] = (), timeout: float = 1800) -> float:
     """`podman build` of docker/<image>.Dockerfile from BASE_IMAGE as localhost/tandem/<image>
-    (cached layers reused), with extra build arguments; seconds taken.
+    (cached layers reused), with extra build arguments and pip_conf() as the pip.conf secret;
+    seconds taken.
 
-    The build stage is tagged too (<image>:test-build): untagged, it is a dangling image that
-    `podman image prune` removes with its whole layer chain, torch's included, and the next
-    build would start from scratch."""
+    The build stage is tagged too (<image>:test-build), so that a `podman image prune` leaves
+    its cached layers. The images the two tags named before, when replaced, are removed with
+    their untagged layers: nothing else (a global prune would also take the intermediate
+    images of builds running beside this one)."""
+    find_links = f":{WHEELS_MOUNT}:" in " ".join(args)
+    secret = pip_conf(os.path.join(os.path.dirname(log_path), "pip.conf"), find_links)
     base = ["nice", "-n", "10", "podman", "build", "--isolation", "chroot"]
-    base += ["-f", f"docker/{image}.Dockerfile"]
-    base += ["--build-arg", f"BASE_IMAGE={BASE_IMAGE}", *host_pip_args(), *args]
+    base += ["-f", f"docker/{image}.Dockerfile", "--secret", f"id=pip.conf,src={secret}"]
+    base += ["--build-arg", f"BASE_IMAGE={BASE_IMAGE}", *args]
+    tags = {"build": f"{ref(image)}-build", "": ref(image)}
+    before = {tag: image_id(tag) for tag in tags.values()}
     start = time.monotonic()
     with open(log_path, "a") as log:
-        for tags in (["--target", "build", "-t", f"{ref(image)}-build"], ["-t", ref(image)]):
-            cmd = [*base, *tags, "."]
+        for target, tag in tags.items():
+            cmd = [*base, *(["--target", target] if target else []), "-t", tag, "."]
             log.write(f"$ {' '.join(cmd)}\n")
             log.flush()
             subprocess.run(
                 cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=timeout
             )
-    # The layers this build replaced: never left to fill the store.
-    subprocess.run(["podman", "image", "prune", "-f"], capture_output=True, check=False)
+    for tag, old in before.items():
+        if old and old != image_id(tag):
+            subprocess.run(["podman", "rmi", old], capture_output=True, check=False)
     return time.monotonic() - start
+
+
+def history(name: str) -> list[tuple[int, str]]:
+    """(size in bytes, created-by) of each layer of a local image, newest first."""
+    out = subprocess.run(
+        ["podman", "history", "--no-trunc", "--format", "json", name],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [(int(h.get("size", 0)), h.get("CreatedBy", "")) for h in json.loads(out)]
+
+
+def size(name: str) -> int:
+    """Bytes of a local image, as podman reports it."""
+    out = subprocess.run(
+        ["podman", "image", "inspect", "--format", "{{.Size}}", name],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(out.stdout.strip())
+
+
+def image_id(name: str) -> str:
+    """The ID of a local image, "" when there is none."""
+    out = subprocess.run(
+        ["podman", "image", "inspect", "--format", "{{.Id}}", name], capture_output=True, text=True
+    )
+    return out.stdout.strip() if out.returncode == 0 else ""
 
 
 @dataclass

@@ -4,16 +4,17 @@ Images are built with podman from a local Debian bookworm base (scripts/build_ba
 registry is reachable here), then run as their configs say (image_runner.py: entrypoint, user,
 working directory, environment; under chroot since containers cannot start here).
 
-By default (`make test`) the controller image and the executor image are built, and the
-executor image serves, behind the controller image, a greedy completion that must equal the
+By default (`make test`) the controller image, the executor image and the TPU image are built.
+The executor image serves, behind the controller image, a greedy completion that must equal the
 source tree's own. The executor image is docker/executor-gpu.Dockerfile with a CPU build of
 torch (TORCH=torch==X+cpu from a wheel that pip's find-links hold on this host, or
-TANDEM_TEST_TORCH_INDEX_URL): the GPU image's runtime stage, without CUDA's ~6 GB.
-Without a CPU torch the executor runs from the source tree. With TANDEM_IMAGE_TESTS=all the
-executor image is built with PyPI's torch, as users pull it (the CUDA build: 7.6 GB, ~30
-minutes cold on two cores, more than the suite's budget), and the TPU image too (the same torch
-layer, then torch_xla and libtpu), whose executor must pass warm-up on XLA:CPU behind the built
-controller. What this cannot prove without a GPU: CUDA itself, and Triton compiling a kernel
+TANDEM_TEST_TORCH_INDEX_URL): the GPU image's final stage, without CUDA's ~6 GB.
+Without a CPU torch the executor runs from the source tree. The TPU image (PyPI's CUDA torch
+2.9.0, torch_xla, libtpu: ~15 minutes cold) runs its executor on XLA:CPU behind the built
+controller: it passes warm-up and serves the same greedy completion (TANDEM_IMAGE_TESTS=no-tpu
+leaves it out; too little room in podman's store skips it). With TANDEM_IMAGE_TESTS=all the
+executor image is built with PyPI's torch, as users pull it (the CUDA build, on the TPU image's
+torch layer). What this cannot prove without a GPU: CUDA itself, and Triton compiling a kernel
 (checked instead: the image compiles and loads a Python extension with the compiler and headers
 Triton's launcher build uses).
 """
@@ -38,9 +39,14 @@ from tests.support.processes import (
 )
 
 FULL = os.environ.get("TANDEM_IMAGE_TESTS", "") == "all"
-# The first test carries the builds (its fixtures): ~10 minutes cold on two loaded cores by
-# default, ~35 with the CUDA images; pytest's 600 s per test is for one test's own work.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400 if FULL else 1800)]
+# The TPU image, built by default: PyPI's torch 2.9.0 (the CUDA build: the only torch 2.9.0, which
+# torch_xla 2.9.0 needs, reachable here), ~15 minutes cold on two loaded cores and 8 GB kept;
+# left out with TANDEM_IMAGE_TESTS=no-tpu, or when podman's store has too little room for it.
+TPU = os.environ.get("TANDEM_IMAGE_TESTS", "") != "no-tpu"
+# The first test carries the builds (its fixtures): ~25 minutes cold on two loaded cores by
+# default (the TPU image's 15), ~40 with the CUDA GPU image; pytest's 600 s per test is for one
+# test's own work.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400 if FULL else 3600)]
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 12
@@ -51,8 +57,10 @@ EXECUTOR_IMAGE = FULL or CPU_TORCH is not None
 BUILDS = {"controller": []}
 if EXECUTOR_IMAGE:
     BUILDS["executor-gpu"] = CPU_TORCH.build_args() if CPU_TORCH else []
-if FULL:  # PyPI's torch 2.9.0 (what torch_xla needs): the layer the GPU image's build made
+if TPU:  # PyPI's torch 2.9.0 (what torch_xla needs): with FULL, the GPU image's torch layer
     BUILDS["executor-tpu"] = []
+# Why an image asked for was not built (too little room in podman's store).
+SKIPPED: dict[str, str] = {}
 needs_executor_image = pytest.mark.skipif(
     not EXECUTOR_IMAGE,
     reason="no CPU torch wheel here (pip's find-links, TANDEM_TEST_WHEELS or "
@@ -64,12 +72,17 @@ needs_executor_image = pytest.mark.skipif(
 def built(tmp_path_factory):
     """The base and BUILDS (podman's layer cache makes repeats fast); the seconds each build
     took, printed for the report."""
-    why = image_runner.podman_usable(list(BUILDS), full=FULL)
+    builds = dict(BUILDS)
+    why = image_runner.podman_usable([i for i in builds if i != "executor-tpu"], full=FULL)
     if why:
         pytest.skip(why)
+    if TPU:
+        SKIPPED["executor-tpu"] = image_runner.podman_usable(["executor-tpu"])
+        if SKIPPED["executor-tpu"]:  # the other images still build and run
+            del builds["executor-tpu"]
     log = str(tmp_path_factory.mktemp("images") / "build.log")
     times = {"base": image_runner.build_base(log)}
-    for image, args in BUILDS.items():
+    for image, args in builds.items():
         try:
             times[image] = image_runner.build(image, log, args)
         except subprocess.CalledProcessError:
@@ -105,9 +118,10 @@ def image_server(built, tmp_path_factory):
 
 
 @contextlib.contextmanager
-def _serving(logs: str, start_executor):
-    """The built controller in front of start_executor(logs, grpc_port)'s executor, healthy;
-    (URL, executor container or None, controller container); everything stopped after."""
+def _serving(logs: str, start_executor, controller_args: list[str] = ()):
+    """The built controller (with controller_args) in front of start_executor(logs,
+    grpc_port)'s executor, healthy; (URL, executor container or None, controller container);
+    everything stopped after."""
     controller = image_runner.ChrootContainer("controller", model_dir())
     executor = None
     procs = []
@@ -118,7 +132,7 @@ def _serving(logs: str, start_executor):
         procs.append(
             controller.run(
                 ["--model", controller.model, "--host", "127.0.0.1", "--port", str(http_port)]
-                + ["--executor", f"127.0.0.1:{grpc_port}"],
+                + ["--executor", f"127.0.0.1:{grpc_port}", *controller_args],
                 os.path.join(logs, "controller.log"),
             )
         )
@@ -259,11 +273,19 @@ def _run_as_image_user(c: image_runner.ChrootContainer, argv: list[str]):
     return subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.skipif(not FULL, reason="the TPU image is built with TANDEM_IMAGE_TESTS=all")
+# The controller's batch bounds, which set the graphs the TPU executor compiles at warm-up:
+# small, as in tests/e2e/test_tpu_e2e.py (its defaults compile 89 graphs, ~20 s each on XLA:CPU
+# on two loaded cores: half an hour).
+XLA_BOUNDS = ["--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--max-model-len", "256"]
+
+
+@pytest.mark.skipif(not TPU, reason="TANDEM_IMAGE_TESTS=no-tpu leaves the TPU image out")
 def test_tpu_image_warms_up_on_xla_cpu(built, tmp_path):
     """The TPU image's executor on XLA:CPU (PJRT_DEVICE=CPU: no TPU here) behind the built
     controller: it passes warm-up (the controller's cache set-up compiles its graphs) and
-    serves a completion."""
+    serves the source tree's greedy completion."""
+    if "executor-tpu" not in built:
+        pytest.skip(SKIPPED.get("executor-tpu") or "the TPU image was not built")
 
     def start(logs: str, grpc_port: int):
         executor = image_runner.ChrootContainer("executor-tpu", model_dir())
@@ -272,11 +294,42 @@ def test_tpu_image_warms_up_on_xla_cpu(built, tmp_path):
         log = os.path.join(logs, "executor.log")
         return executor.run(args, log, env={"PJRT_DEVICE": "CPU"}), executor
 
-    with _serving(str(tmp_path), start) as (url, executor, controller):
+    with _serving(str(tmp_path), start, XLA_BOUNDS) as (url, executor, controller):
         assert executor.config.env["PJRT_DEVICE"] == "TPU"  # the image's own; CPU passed here
-        assert _complete(url, os.path.basename(controller.model))
+        from_image = _complete(url, os.path.basename(controller.model))
+    (tmp_path / "source").mkdir()
+    source = start_server(model_dir(), str(tmp_path / "source"))
+    try:
+        from_source = _complete(source.base_url, os.path.basename(controller.model))
+    finally:
+        source.stop()
+    assert from_image and from_image == from_source
     with open(tmp_path / "executor.log") as f:
         assert "warm-up" in f.read()
+
+
+def test_images_hold_their_venv_once_and_no_build_host_setting(built):
+    """The executor images install their venv in the final stage: the build stage the store
+    keeps beside an image (<image>:test-build) holds no venv of the image's (it once held the
+    whole venv, torch's GBs, copied again into the final stage: ~3x the image's size on the
+    builder's disk at its peak). No history entry of either names a build-host path (this
+    checkout, the wheel folder) or a pip setting: those come as the pip.conf secret."""
+    wheels = CPU_TORCH.wheels if CPU_TORCH and CPU_TORCH.wheels else None
+    pip = ["PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_CERT", "PIP_FIND_LINKS", "src="]
+    forbidden = [p for p in (image_runner.ROOT, wheels, *pip) if p]
+    base = image_runner.size(image_runner.BASE_IMAGE)
+    for image in [i for i in BUILDS if i in built]:
+        for tag in (image_runner.ref(image), image_runner.ref(image) + "-build"):
+            for _, created_by in image_runner.history(tag):
+                found = [p for p in forbidden if p in created_by]
+                assert not found, f"{tag}: {found} in its history: {created_by[:200]}"
+        if image.startswith("executor-"):
+            build_stage = image_runner.size(image_runner.ref(image) + "-build") - base
+            assert build_stage < 200 * 2**20, f"{image}'s build stage holds {build_stage} bytes"
+            final = image_runner.history(image_runner.ref(image))
+            assert not any(c.startswith("|") for _, c in final), "build arguments in the image"
+            torch_layers = [n for n, c in final if "-r /tmp/build/torch.txt" in c]
+            assert len(torch_layers) == 1 and torch_layers[0] > 100 * 2**20
 
 
 def test_image_sizes_are_reported(image_server):

@@ -87,12 +87,17 @@ def dockerfile(image: str) -> list[Stage]:
     return parse_dockerfile((DOCKER / f"{image}.Dockerfile").read_text())
 
 
+def commands(run: str) -> list[str]:
+    """The shell commands of a RUN instruction (its --mount options left out)."""
+    return re.split(r"&&|;|\|\|", re.sub(r"^(--mount=\S+\s+)+", "", run))
+
+
 def pip_requirements(stages: list[Stage]) -> list[str]:
     """Every requirement given to `pip install` in RUN instructions (options left out)."""
     reqs = []
     for stage in stages:
         for run in stage.all("RUN"):
-            for command in re.split(r"&&|;|\|\|", run):
+            for command in commands(run):
                 words = command.split()
                 if words[:2] == ["pip", "install"] or words[1:4] == ["-m", "pip", "install"]:
                     start = words.index("install") + 1
@@ -104,7 +109,7 @@ def apt_installs(stage: Stage) -> list[tuple[str, list[str]]]:
     """(the RUN, the packages) of every `apt-get install` in a stage's RUN instructions."""
     found = []
     for run in stage.all("RUN"):
-        for command in re.split(r"&&|;|\|\|", run):
+        for command in commands(run):
             words = command.split()
             if words[:2] == ["apt-get", "install"]:
                 found.append((run, [w for w in words[2:] if not w.startswith("-")]))
@@ -215,7 +220,8 @@ def test_entrypoint_and_port_match_the_chart(image):
     assert final.all("EXPOSE") == [str(VALUES[section]["port"])]
     env = " ".join(final.all("ENV"))
     assert "PATH=/opt/venv/bin:$PATH" in env
-    assert any(rest.startswith("--from=build /opt/venv") for rest in final.all("COPY"))
+    venv = any(rest.startswith("--from=build /opt/venv") for rest in final.all("COPY"))
+    assert venv or "python -m venv /opt/venv" in " ".join(final.all("RUN"))
 
 
 @pytest.mark.parametrize("image", sorted(IMAGES))
@@ -228,17 +234,23 @@ def test_installs_exactly_its_extra(image):
     build = stages[0]
     runs = " ".join(" ".join(build.all("RUN")).split())  # continuation lines joined
     if local != [f".[{extra}]"]:
-        # The executor images: the extra's requirements printed from pyproject.toml (torch's
-        # alone first, its own layer), then the project without its pins.
-        assert local == ["."] and "pip install --no-deps ." in runs, f"{image}: installs {local}"
-        printed = f'python pyproject_requirements.py {extra} --torch "$TORCH"'
+        # The executor images: the extra's requirements printed from pyproject.toml in the
+        # build stage (torch's alone first), installed in the final stage (torch's in its own
+        # layer), then the project's wheel without its pins.
+        final = " ".join(" ".join(stages[-1].all("RUN")).split())
+        printed = f'python pyproject_requirements.py {extra} --torch "$TORCH" >requirements.txt'
         torch = 'python pyproject_requirements.py --only-torch --torch "$TORCH" >torch.txt'
-        assert torch in runs
-        assert f"{printed} >requirements.txt && pip install -r requirements.txt" in runs
-        assert "pip check" in runs  # what the project needs is all there
-    # The gRPC stubs are generated in the build, as `make proto` does, then the tool leaves.
+        assert torch in runs and printed in runs, f"{image}: {runs}"
+        assert "pip wheel --no-deps -w /wheels ." in runs
+        assert "pip install -r /tmp/build/torch.txt" in final
+        assert "pip install -r /tmp/build/requirements.txt" in final
+        assert "pip install --no-deps /tmp/build/*.whl" in final
+        assert "pip check" in final  # what the project needs is all there
+    else:
+        assert "pip uninstall -y grpcio-tools" in runs
+    # The gRPC stubs are generated in the build, as `make proto` does; the tool stays there.
     assert "grpc_tools.protoc -Icommon/wire/pb=proto" in runs and "proto/executor.proto" in runs
-    assert "pip uninstall -y grpcio-tools" in runs
+    assert "grpcio-tools" not in " ".join(stages[-1].all("RUN"))
     assert any("PIP_NO_CACHE_DIR=1" in e for e in build.all("ENV"))
     copied = {rest.split()[0] for rest in build.all("COPY")}
     wanted = {"common", module}
@@ -246,6 +258,35 @@ def test_installs_exactly_its_extra(image):
     assert {"pyproject.toml", "proto"} <= copied
     for src in set(copied) | {p for rest in build.all("COPY") for p in rest.split()[1:-1]}:
         assert (ROOT / src).exists(), src
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_pip_settings_reach_no_layer_nor_the_history(image):
+    """pip's index, mirror, CA bundle and find-links come from the optional `pip.conf` build
+    secret on every RUN that runs pip with the network: a secret is in no layer and no history
+    entry, where a build argument of the final stage would be written into `podman history`
+    (a mirror's credentials, a host path). The final stage takes no build argument at all."""
+    stages = dockerfile(image)
+    assert not stages[-1].all("ARG"), f"{image}: build arguments in the final stage"
+    secret = "--mount=type=secret,id=pip.conf,target=/etc/pip.conf"
+    for stage in stages:
+        for run in stage.all("RUN"):
+            installs = re.findall(r"pip (?:install|wheel) (?!--no-deps /tmp/build)", run)
+            if installs:
+                assert run.startswith(secret), f"{image}: pip without the secret: {run[:80]}"
+
+
+@pytest.mark.parametrize("image", ["executor-gpu", "executor-tpu"])
+def test_executor_venv_is_written_once(image):
+    """torch's venv (GBs) is installed in the final stage, never copied from another: a copy
+    stores it twice (the build stage's layer and the copy's), ~3x the image on the builder's
+    disk at its peak. The build stage hands over only small files (requirements, the wheel)."""
+    stages = dockerfile(image)
+    copies = [rest for rest in stages[-1].all("COPY") if rest.startswith("--from=")]
+    assert copies and all(
+        re.fullmatch(r"--from=build (/src/\S+\.txt|/wheels/)( \S+)* /tmp/build/", c) for c in copies
+    ), copies
+    assert "python -m venv /opt/venv" in " ".join(stages[-1].all("RUN"))
 
 
 def test_controller_image_has_no_torch():
@@ -267,20 +308,27 @@ def test_tpu_image_brings_libtpu_with_the_pinned_torch_xla():
     assert "torch_xla[tpu]==2.9.0" in reqs  # the [tpu] extra is what installs libtpu
     # torch_xla's wheel names no torch: the build imports it, so a torch it was not built
     # against (an undefined symbol) fails the build instead of the pod.
-    runs = " ".join(" ".join(dockerfile("executor-tpu")[0].all("RUN")).split())
-    assert runs.endswith('pip check && python -c "import torch_xla"'), runs
+    runs = " ".join(" ".join(dockerfile("executor-tpu")[-1].all("RUN")).split())
+    assert 'pip check && python -c "import torch_xla"' in runs, runs
     final = dockerfile("executor-tpu")[-1]
     assert "PJRT_DEVICE=TPU" in " ".join(final.all("ENV"))
 
 
 def test_gpu_and_tpu_images_share_the_torch_layer():
     """A builder reuses a layer made by the same instruction on the same parent: the executor
-    images' build stages agree up to and including torch's install, so torch (GBs with CUDA) is
+    images' final stages agree up to and including torch's install (the copied torch.txt is the
+    same file: both build stages print it with the same command), so torch (GBs with CUDA) is
     built and stored once for both."""
-    gpu, tpu = (dockerfile(image)[0] for image in ("executor-gpu", "executor-tpu"))
-    assert gpu.base == tpu.base
-    upto = next(i for i, (ins, rest) in enumerate(gpu.instructions) if "torch.txt" in rest) + 1
-    assert upto > 1 and gpu.instructions[:upto] == tpu.instructions[:upto]
+    gpu, tpu = (dockerfile(image) for image in ("executor-gpu", "executor-tpu"))
+    assert gpu[-1].base == tpu[-1].base
+    printed = [
+        [c for r in stages[0].all("RUN") for c in r.split("&&") if "torch.txt" in c]
+        for stages in (gpu, tpu)
+    ]
+    assert printed[0] and printed[0] == printed[1]
+    final = gpu[-1].instructions
+    upto = next(i for i, (ins, rest) in enumerate(final) if "-r /tmp/build/torch.txt" in rest)
+    assert upto > 1 and final[: upto + 1] == tpu[-1].instructions[: upto + 1]
 
 
 def test_gpu_image_asks_for_the_driver():
