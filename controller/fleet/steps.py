@@ -146,7 +146,9 @@ class StepLoop:
                         if tracked.delivered and not update.error:
                             ids = update.new_token_ids
                             tokens_generated(series, tracked.stats, len(ids), now)
-                            tracked.queue.put_tokens(ids, None, tracked.num_cached_tokens)  # type: ignore[attr-defined]
+                            tracked.queue.put_tokens(  # type: ignore[attr-defined]
+                                ids, None, tracked.num_cached_tokens, update.logprobs
+                            )
                             continue
                     elif tracked.quiet and update.logprobs is None and not update.prompt_logprobs:
                         count = len(update.new_token_ids)
