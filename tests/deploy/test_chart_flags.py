@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.chart_render import CHART, Manifest, RenderError
-from tests.deploy.test_images import dockerfile
+from tests.deploy.dockerfiles import dockerfile
 
 ROOT = Path(__file__).resolve().parents[2]
 # The settings class each program loads, and the file whose main calls its `load`.
