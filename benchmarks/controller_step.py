@@ -44,7 +44,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.host.settings import ExecutorConfig  # noqa: E402
 from common.wire import convert  # noqa: E402
 from common.wire.pb import executor_pb2 as pb  # noqa: E402
-from common.wire.step_types import SamplingParams, StepInput, StepOutput  # noqa: E402
+from common.wire.step_types import (  # noqa: E402
+    SamplingParams,
+    StepInput,
+    StepOutput,
+    TokenLogprobs,
+)
 from controller.core.outputs import GenerationRequest  # noqa: E402
 from controller.fleet.client import HandshakeResult  # noqa: E402
 from controller.fleet.engine import Engine  # noqa: E402
@@ -117,12 +122,19 @@ class _FrameChannel:
         self.loop = asyncio.get_running_loop()
         self.done: dict[int, asyncio.Event] = {}  # slot -> set when its sequence ends
         self.frames = 0  # frames built
+        self.failed = 0  # sequences ended by an error (the run then fails: it measured errors)
 
     def usage(self, slot: int, num_cached_tokens: int) -> None:
         del slot, num_cached_tokens
 
-    def add(self, slot: int, token_ids: list[int], finish_reason: str | None) -> None:
-        self.builder.add(slot, token_ids, finish_reason)
+    def add(
+        self,
+        slot: int,
+        token_ids: list[int],
+        finish_reason: str | None,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> None:
+        self.builder.add(slot, token_ids, finish_reason, logprobs)
         if finish_reason is not None:
             self.done.pop(slot).set()
         if not self.flush_due:
@@ -136,6 +148,7 @@ class _FrameChannel:
             self.frames += 1
 
     def fail(self, slot: int, event: bytes) -> None:
+        self.failed += 1
         self.done.pop(slot).set()
 
 
@@ -297,6 +310,8 @@ async def measure_point(
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    if channel.failed:
+        raise RuntimeError(f"{channel.failed} streamed sequences failed: the point measured errors")
     await engine.stop()
     session.leaving = True
     session._wake.set()
