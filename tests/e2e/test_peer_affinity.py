@@ -69,6 +69,14 @@ def post_json(server, body: dict) -> httpx.Response:
     return httpx.post(server.base_url + "/v1/completions", json=body, headers=headers, timeout=120)
 
 
+def see_each_other(servers) -> bool:
+    """Every controller's probes find all of them live (/peer's live_controllers): until then a
+    controller is its own prompts' only home, and an executor split can come from the leases'
+    first come, first served start alone."""
+    urls = [s.base_url + "/peer" for s in servers]
+    return all(httpx.get(u, timeout=5).json()["live_controllers"] == len(urls) for u in urls)
+
+
 def b_is_home_again(a, prompt: list[int]) -> bool:
     """A request sent to a whose home is b is forwarded again (b answers a's probes)."""
     before = outcome(a, "forwarded")
@@ -119,6 +127,7 @@ def test_requests_meet_at_their_prompts_home(default_model_dir, tmp_path):
     a, b = servers
     try:
         wait_until(lambda: len(owned(a)) == len(owned(b)) == 2, 120, "a 2/2 split", logs=tmp)
+        wait_until(lambda: see_each_other(servers), 30, "each live in the other's view", logs=tmp)
         rng = random.Random(5)
         at_b = prompt_homed_at(keys[1], keys, rng)
 

@@ -36,6 +36,10 @@ class Https:
         state = self.http.get(self.url + "/admin/executors").json()["executors"]
         return sum(1 for e in state if e["healthy"] and e["owned"])
 
+    def live_controllers(self) -> int:
+        """How many controllers (itself included) its peer probes find live."""
+        return self.http.get(self.url + "/peer").json()["live_controllers"]
+
     def healthy(self) -> bool:
         try:
             return self.http.get(self.url + "/health").status_code == 200
@@ -83,6 +87,9 @@ def test_forwarding_between_https_controllers(default_model_dir, tmp_path):
     try:
         wait_until(lambda: a.healthy() and b.healthy(), 120, "both controllers", logs=tmp)
         wait_until(lambda: a.owned() == b.owned() == 1, 120, "a 1/1 split", logs=tmp)
+        # The split can come from the leases alone: wait for the probes (over HTTPS) too.
+        live = lambda: a.live_controllers() == b.live_controllers() == 2  # noqa: E731
+        wait_until(live, 30, "each live in the other's view", logs=tmp)
         at_b = prompt_homed_at(keys[1], keys, random.Random(11), length=KEY_TOKENS + 20)
         direct = b.greedy(at_b, stream=False)
         b_ran = b.metric("vllm:request_success_total")
