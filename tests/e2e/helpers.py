@@ -1,12 +1,17 @@
 """What the end-to-end tests share: prompts, waiting for an idle fleet with no KV block in use,
-reading /metrics, and greedy completions streamed or whole."""
+reading /metrics, greedy completions streamed or whole, and HTTPS clients."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ssl
 import time
+from collections.abc import Iterator
 
 import httpx
+
+from tests.support.processes import wait_until
 
 PROMPTS = [
     "The capital of France is",
@@ -50,6 +55,22 @@ def metric_sum(text: str, name: str) -> float:
         if line.startswith(name):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+@contextlib.contextmanager
+def https_client(server, ca: str, logs: str) -> Iterator[tuple[httpx.Client, str]]:
+    """A client of an HTTPS controller (--ssl-certfile) that trusts `ca`, once its /health
+    answers 200, and the controller's https:// base URL."""
+    url = server.base_url.replace("http://", "https://")
+    ctx = ssl.create_default_context(cafile=ca)
+    with httpx.Client(verify=ctx, timeout=60) as https:
+        wait_until(
+            lambda: https.get(url + "/health").status_code == 200,
+            120,
+            "the HTTPS controller to be healthy",
+            logs=logs,
+        )
+        yield https, url
 
 
 def metrics_text(server) -> str:

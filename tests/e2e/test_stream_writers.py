@@ -163,12 +163,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(writer_server):
 
 def _streams(server, reason: str) -> float:
     """Streams the writers ended with this reason (tandem:stream_writer_streams_total)."""
-    label = f'reason="{reason}"'
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics_text(server).splitlines()
-        if line.startswith("tandem:stream_writer_streams_total{") and label in line
-    )
+    name = f'tandem:stream_writer_streams_total{{reason="{reason}"}}'
+    return metric_sum(metrics_text(server), name)
 
 
 def test_a_failed_sequence_gives_the_in_process_error_event(writer_server, plain_server):

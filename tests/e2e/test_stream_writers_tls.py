@@ -5,27 +5,17 @@ stream is whole (its [DONE] comes), and no writer counted it."""
 from __future__ import annotations
 
 import json
-import ssl
 
-import httpx
 import pytest
 
+from tests.e2e.helpers import https_client, metric_sum
 from tests.e2e.test_tls import _make_certs
-from tests.support.processes import spawn_controller, spawn_executor, wait_until
+from tests.support.processes import spawn_controller, spawn_executor
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     return _make_certs(str(tmp_path_factory.mktemp("certs")))
-
-
-def _written(text: str) -> float:
-    """Streams the writers ended, whatever the reason."""
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("tandem:stream_writer_streams_total{")
-    )
 
 
 def test_https_streams_stay_in_process(certs, default_model_dir, tmp_path):
@@ -36,16 +26,8 @@ def test_https_streams_stay_in_process(certs, default_model_dir, tmp_path):
         str(tmp_path),
         ["--executor", f"127.0.0.1:{port}", "--stream-writers", "1", *tls],
     )
-    url = server.base_url.replace("http://", "https://")
     try:
-        ctx = ssl.create_default_context(cafile=certs["ca.pem"])
-        with httpx.Client(verify=ctx, timeout=60) as https:
-            wait_until(
-                lambda: https.get(url + "/health").status_code == 200,
-                120,
-                "the HTTPS controller to be healthy",
-                logs=str(tmp_path),
-            )
+        with https_client(server, certs["ca.pem"], str(tmp_path)) as (https, url):
             body = {"prompt": [10, 200, 3000], "max_tokens": 20, "stream": True}
             with https.stream("POST", url + "/v1/completions", json=body) as r:
                 assert r.status_code == 200
@@ -55,7 +37,8 @@ def test_https_streams_stay_in_process(certs, default_model_dir, tmp_path):
             assert chunks[-1]["choices"][0]["finish_reason"] == "length"
             metrics = https.get(url + "/metrics").text
             assert "tandem:stream_writer_streams_open" in metrics  # the writers are configured
-            assert _written(metrics) == 0  # and this stream was not theirs
+            written = metric_sum(metrics, "tandem:stream_writer_streams_total{")
+            assert written == 0  # and this stream was not theirs
     finally:
         server.stop()
         executor.kill()

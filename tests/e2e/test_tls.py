@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-import ssl
 import time
 
 import grpc
@@ -21,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.wire.pb import executor_pb2 as pb
 from common.wire.pb import executor_pb2_grpc as pb_grpc
+from tests.e2e.helpers import https_client
 from tests.support.processes import (
     free_port,
     spawn_controller,
@@ -277,16 +277,8 @@ def test_server_name_override_and_https(mtls_server, certs, default_model_dir, t
             certs["executor.key"],
         ],
     )
-    url = second.base_url.replace("http://", "https://")
     try:
-        ctx = ssl.create_default_context(cafile=certs["ca.pem"])
-        with httpx.Client(verify=ctx, timeout=60) as https:
-            wait_until(
-                lambda: https.get(url + "/health").status_code == 200,
-                120,
-                "the HTTPS controller to be healthy",
-                logs=str(tmp_path),
-            )
+        with https_client(second, certs["ca.pem"], str(tmp_path)) as (https, url):
             r = https.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
         with pytest.raises(httpx.HTTPError):
