@@ -4,6 +4,7 @@ invariants checked after every step, and a loop that drives a scheduler until it
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 from common.wire.step_types import (
@@ -218,3 +219,22 @@ def drive(
     # The executor holds nothing but requests the next step will tell it to drop.
     assert set(ex.held) == set(sched._finished_ids)
     return results
+
+
+def random_workload(
+    sched: Scheduler, seed: int, *, count: int, share_every: int, max_extra: int, max_tokens: int
+) -> dict[str, tuple[list[int], int]]:
+    """`count` requests added to `sched` (ids r0, r1, ...): every `share_every`-th starts with
+    the same 40 tokens (prefix-cache hits), then 1 to `max_extra` - 1 random tokens, and asks for
+    1 to `max_tokens` - 1 tokens. Returns each id's (prompt, max_tokens)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(10, 900) for _ in range(40)]
+    made = {}
+    for i in range(count):
+        prompt = (shared if i % share_every == 0 else []) + [
+            rng.randrange(10, 900) for _ in range(rng.randrange(1, max_extra))
+        ]
+        req = make_request(f"r{i}", prompt, max_tokens=rng.randrange(1, max_tokens))
+        sched.add_request(req)
+        made[req.request_id] = (prompt, req.max_tokens)
+    return made

@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from common.wire.convert import result_from_pb, result_to_pb
@@ -25,6 +23,7 @@ from tests.controller.core.harness import (
     expected_output,
     make_config,
     make_request,
+    random_workload,
 )
 from tests.controller.core.test_pipeline import drive_pipelined
 
@@ -37,17 +36,7 @@ class PackedExecutor(FakeExecutor):
 
 
 def _add_workload(sched: Scheduler, seed: int) -> dict[str, tuple[list[int], int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(10, 900) for _ in range(40)]
-    made = {}
-    for i in range(20):
-        prompt = (shared if i % 2 == 0 else []) + [
-            rng.randrange(10, 900) for _ in range(rng.randrange(1, 60))
-        ]
-        req = make_request(f"r{i}", prompt, max_tokens=rng.randrange(1, 50))
-        sched.add_request(req)
-        made[req.request_id] = (prompt, req.max_tokens)
-    return made
+    return random_workload(sched, seed, count=20, share_every=2, max_extra=60, max_tokens=50)
 
 
 def _no_room(self: KVCacheManager, request, table) -> None:

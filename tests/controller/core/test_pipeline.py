@@ -5,7 +5,6 @@ test_scheduler (which checks every KV position it reads)."""
 
 from __future__ import annotations
 
-import random
 from collections import deque
 
 import pytest
@@ -19,6 +18,7 @@ from tests.controller.core.harness import (
     expected_output,
     make_config,
     make_request,
+    random_workload,
 )
 
 
@@ -60,17 +60,7 @@ def drive_pipelined(
 
 
 def _workload(seed: int, sched: Scheduler) -> dict[str, tuple[list[int], int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(10, 900) for _ in range(40)]
-    made = {}
-    for i in range(24):
-        prompt = (shared if i % 3 == 0 else []) + [
-            rng.randrange(10, 900) for _ in range(rng.randrange(1, 70))
-        ]
-        req = make_request(f"r{i}", prompt, max_tokens=rng.randrange(1, 30))
-        sched.add_request(req)
-        made[req.request_id] = (prompt, req.max_tokens)
-    return made
+    return random_workload(sched, seed, count=24, share_every=3, max_extra=70, max_tokens=30)
 
 
 @pytest.mark.parametrize("seed", range(6))
