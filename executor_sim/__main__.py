@@ -37,7 +37,8 @@ def serve_many(settings: SimSettings) -> None:
         config = settings.model_copy(update={"seed": settings.seed + i})
         worker = SimWorker(config, settings)
         port = settings.port + i if settings.port else 0
-        servers.append(start_server(worker, settings, port))
+        step_port = settings.step_port + i if settings.step_port else 0
+        servers.append(start_server(worker, settings, port, step_port))
     for served in servers:
         served.servicer.load()
         mark_serving(served)

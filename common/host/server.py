@@ -20,6 +20,7 @@ from common.host.dtypes import DtypeError
 from common.host.lease import SessionLease
 from common.host.servicer import ExecutorServicer
 from common.host.settings import EXIT_DEVICE_FAILED, ExecutorConfig, ExecutorSettings
+from common.host.step_socket import StepSocketServer, server_ssl_context
 from common.host.worker_base import WorkerBase
 from common.hub.files import EXECUTOR, Need
 from common.hub.resolve import localize_or_exit
@@ -61,6 +62,7 @@ class ExecutorServer:
     port: int  # the bound port (the one asked for, or the one chosen for port 0)
     # Set when the process should end: a device failure, once its NOT_SERVING time is over.
     device_failed: threading.Event
+    step_socket: StepSocketServer | None = None  # the steps' own port (--step-port), if any
 
 
 def _report_device_failure(
@@ -81,10 +83,13 @@ def _report_device_failure(
     return report
 
 
-def start_server(worker: WorkerBase, settings: ExecutorSettings, port: int) -> ExecutorServer:
+def start_server(
+    worker: WorkerBase, settings: ExecutorSettings, port: int, step_port: int = -1
+) -> ExecutorServer:
     """Serve ``worker`` on ``settings.host:port`` (0: any free port) with the security the
     settings ask for; health reports NOT_SERVING until ``mark_serving`` (and again after a
-    device failure)."""
+    device failure). ``step_port``: the step socket's port (-1: ``settings.step_port``;
+    0: none)."""
     token_file = settings.auth_token_file
     interceptors = [TokenInterceptor(read_token(token_file))] if token_file else []
     server = grpc.server(
@@ -118,15 +123,33 @@ def start_server(worker: WorkerBase, settings: ExecutorSettings, port: int) -> E
     else:
         bound = server.add_insecure_port(address)
     server.start()
+    security = "mTLS" if settings.tls_client_ca else "TLS" if settings.tls_cert else "plaintext"
     log.info(
         "listening on %s:%d (%s%s%s)",
         settings.host,
         bound,
-        "mTLS" if settings.tls_client_ca else "TLS" if settings.tls_cert else "plaintext",
+        security,
         ", token" if interceptors else "",
         ", reflection" if settings.grpc_reflection else "",
     )
-    return ExecutorServer(server, health_servicer, servicer, bound, failed)
+    step_port = settings.step_port if step_port < 0 else step_port
+    sockets = None
+    if step_port:
+        sockets = StepSocketServer(
+            servicer,
+            settings.host,
+            step_port,
+            ssl_context=server_ssl_context(
+                settings.tls_cert, settings.tls_key, settings.tls_client_ca
+            )
+            if settings.tls_cert
+            else None,
+            token=read_token(token_file) if token_file else "",
+            max_message_bytes=MAX_MESSAGE_BYTES,
+        )
+        servicer.step_socket_port = sockets.start()
+        log.info("steps also on %s:%d (%s)", settings.host, sockets.port, security)
+    return ExecutorServer(server, health_servicer, servicer, bound, failed, sockets)
 
 
 def mark_serving(served: ExecutorServer) -> None:
@@ -158,6 +181,9 @@ def shut_down(servers: list[ExecutorServer], drain: float) -> None:
     for s in servers:
         if not s.servicer.wait_streams_closed(max(deadline - time.monotonic(), 0.0)):
             log.warning("a step stream is still open after %.0fs; stopping anyway", drain)
+    for s in servers:
+        if s.step_socket is not None:
+            s.step_socket.stop()
     for stopped in [s.server.stop(grace=5) for s in servers]:  # in parallel, 5 s at most
         stopped.wait()
 

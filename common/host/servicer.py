@@ -60,6 +60,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         # (generation, owner, gRPC context), to end them when another owner takes over
         self._streams_open = 0  # ExecuteModel calls in progress
         self._state = threading.Condition()  # guards the stream counters
+        self.step_socket_port = 0  # the step socket's port, told to controllers (0: none)
 
     def load(self) -> None:
         """Bind the device and load the weights (at startup, before reporting SERVING)."""
@@ -144,6 +145,7 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
         )
         resp = convert.device_info_to_pb(info)
         resp.generation, resp.lease_seconds = grant.generation, grant.lease_seconds
+        resp.capabilities.step_socket_port = self.step_socket_port
         return resp
 
     def RenewLease(self, request: pb.LeaseRequest, context) -> pb.LeaseResponse:

@@ -77,6 +77,12 @@ class ExecutorSettings(ExecutorConfig):
 
     host: str = setting("0.0.0.0", "address to listen on")
     port: int = setting(50051, "gRPC port")
+    step_port: int = setting(
+        0,
+        "also serve the step stream on this TCP port as framed protobuf without gRPC (same "
+        "TLS and token; the controller uses it when it can reach it: less CPU per step on "
+        "both sides); 0 = off",
+    )
     metrics_port: int = setting(0, "serve Prometheus metrics of this process over HTTP (0 = off)")
     log_level: str = setting("INFO", "log level (DEBUG, INFO, WARNING, ERROR)")
     log_format: Literal["text", "json"] = setting("text", "log lines as text or JSON objects")

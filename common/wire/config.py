@@ -50,6 +50,7 @@ class Capabilities:
     max_logprobs: int = 20  # most top logprobs per position
     tensor_parallel_size: int = 1  # devices the model is sharded over behind this executor
     packed_steps: bool = True  # reads StepRequest's packed_* arrays (False: an older executor)
+    step_socket_port: int = 0  # its steps' own TCP port (common/wire/step_frames.py); 0 = none
 
 
 @dataclass

@@ -320,6 +320,7 @@ def device_info_to_pb(d: DeviceInfo) -> pb.InitDeviceResponse:
             max_logprobs=c.max_logprobs,
             tensor_parallel_size=c.tensor_parallel_size,
             packed_steps=c.packed_steps,
+            step_socket_port=c.step_socket_port,
         ),
     )
 
@@ -353,6 +354,7 @@ def device_info_from_pb(m: pb.InitDeviceResponse) -> DeviceInfo:
             max_logprobs=c.max_logprobs,
             tensor_parallel_size=max(1, c.tensor_parallel_size),
             packed_steps=c.packed_steps,
+            step_socket_port=c.step_socket_port,
         ),
     )
 
