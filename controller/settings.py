@@ -79,6 +79,11 @@ class ControllerConfig(ModelSourceSettings, LimitSettings, AffinitySettings):
     step_timeout: float = setting(
         300.0, "seconds a step may take before its executor counts as lost"
     )
+    executor_step_socket: bool = setting(
+        True,
+        "send steps over the step socket an executor offers (--step-port: the same messages "
+        "without gRPC's per-message cost); off = always over gRPC's ExecuteModel",
+    )
     executor_startup_timeout: float = setting(
         900.0, "seconds an executor's cache warm-up (compilation) may take"
     )

@@ -56,6 +56,12 @@ class ServeSettings(TandemSettings):
         "(the TPU one on --executor-port + 1) or sim (a simulated device, executors.md)",
     )
     executor_port: int = setting(50051, "gRPC port of the (first) executor")
+    executor_step_port: int = setting(
+        50061,
+        "step socket port of the (first) executor, the next one's one up (0 = off: the "
+        "controller sends steps over gRPC; executors.md)",
+        ge=0,
+    )
     executor_args: str = setting(
         "",
         "more flags for every executor, one string (e.g. --executor-args='--kv-cache-bytes "
@@ -117,6 +123,9 @@ def executor_children(settings: ServeSettings, config: ControllerConfig) -> list
     for module, port in executor_ports(settings).items():
         command = [sys.executable, "-m", module, *model_source_args(config)]
         command += ["--host", EXECUTOR_HOST, "--port", str(port)]
+        if settings.executor_step_port:
+            step_port = settings.executor_step_port + port - settings.executor_port
+            command += ["--step-port", str(step_port)]
         command += shlex.split(settings.executor_args)
         if module == "executor_tpu":
             command += shlex.split(settings.tpu_args)

@@ -65,6 +65,8 @@ class ExecutorSnapshot:
     # other controller that refused the handshake ("" when unknown)
     assigned_to: str = ""  # the controller the division among live controllers gave it (its
     # advertised address; "" = this controller, or no peers configured)
+    step_transport: str = ""  # how its open step stream goes: "socket" (its step socket),
+    # "grpc" (ExecuteModel), "" (none open)
 
     @property
     def free_blocks(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -14,9 +14,10 @@ from common.wire.config import DeviceInfo, MemoryProfile
 from common.wire.ownership import SESSION_METADATA
 from common.wire.pb import executor_pb2 as pb
 from common.wire.pb import executor_pb2_grpc as pb_grpc
-from common.wire.rpc_token import token_metadata
 from common.wire.step_types import StepInput, StepOutput
+from controller.fleet.channel_security import ChannelSecurity
 from controller.fleet.ownership import refusal
+from controller.fleet.step_socket import StepSocket, StepSocketError, split_address
 
 log = logging.getLogger(__name__)
 
@@ -27,32 +28,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
 ]
-
-
-@dataclass
-class ChannelSecurity:
-    """How the controller reaches executors: TLS (with a client certificate for mTLS) and a
-    shared token."""
-
-    credentials: grpc.ChannelCredentials | None = None  # TLS credentials; None = plaintext
-    server_name: str = ""  # name to verify in executor certificates; "" = the address's host
-    metadata: tuple = field(default_factory=tuple)  # sent on every RPC (the token)
-
-
-def make_security(
-    ca_file: str = "",
-    cert_file: str = "",
-    key_file: str = "",
-    server_name: str = "",
-    token: str = "",
-) -> ChannelSecurity:
-    """ChannelSecurity from PEM files and a token ("" = off)."""
-    from common.wire.tls import channel_credentials
-
-    if (cert_file or key_file or server_name) and not ca_file:
-        raise ValueError("executor TLS options need the CA (--executor-tls-ca)")
-    creds = channel_credentials(ca_file, cert_file, key_file) if ca_file else None
-    return ChannelSecurity(creds, server_name, token_metadata(token))
 
 
 class ExecutorLost(RuntimeError):
@@ -85,6 +60,8 @@ def grpc_status_of(exc: BaseException | None) -> str:
         seen.add(id(exc))
         if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
             return exc.code().name
+        if isinstance(exc, StepSocketError):
+            return exc.code
         exc = exc.__cause__ or exc.__context__
     return ""
 
@@ -120,8 +97,12 @@ class ExecutorClient:
         # The executor reads packed steps (its Capabilities.packed_steps, set at each
         # handshake); False until then: every executor reads the per-request messages.
         self.packed_steps = False
+        # The executor's step socket port (its Capabilities.step_socket_port, set at each
+        # handshake; 0: steps go over ExecuteModel). Reset to 0 when it cannot be reached.
+        self.step_port = 0
         self._channel: grpc.aio.Channel | None = None  # opened in the serving event loop
         self._call = None  # the open ExecuteModel stream
+        self._socket: StepSocket | None = None  # the open step socket
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -289,6 +270,16 @@ class ExecutorClient:
             msg = convert.step_to_pb(step, self.packed_steps)
         except convert.CONVERSION_ERRORS as exc:
             raise StepNotSendable(f"step {step.step_id}: {exc!r}") from exc
+        if self.step_port and self._call is None:
+            try:
+                if self._socket is None:
+                    self._socket = await self._open_socket()
+                if self._socket is not None:
+                    self._socket.send(msg.SerializeToString())
+                    return
+            except OSError as exc:
+                await self.close_stream()
+                raise ExecutorLost(f"step socket broke: {exc!r}") from exc
         try:
             if self._call is None:
                 self._call = self._stub.ExecuteModel(metadata=self.session_metadata)
@@ -300,8 +291,39 @@ class ExecutorClient:
             await self.close_stream()
             raise ExecutorLost(f"step stream unusable: {exc}") from exc
 
+    @property
+    def step_transport(self) -> str:
+        """How the open step stream goes: "socket", "grpc", or "" when none is open."""
+        return "socket" if self._socket is not None else "grpc" if self._call is not None else ""
+
+    async def _open_socket(self) -> StepSocket | None:
+        """Connect the executor's step socket; None (and steps over ExecuteModel for the rest
+        of the session) when it cannot be reached: a network policy may let the gRPC port
+        through alone."""
+        host, sec = split_address(self.address), self.security
+        try:
+            return await StepSocket.open(
+                host,
+                self.step_port,
+                token=sec.token,
+                generation=self.generation,
+                ssl_context=sec.ssl_context,
+                server_hostname=sec.server_name,
+            )
+        except (OSError, TimeoutError) as exc:
+            log.warning(
+                "executor %s: its step socket (port %d) cannot be reached (%r); steps go over gRPC",
+                self.address,
+                self.step_port,
+                exc,
+            )
+            self.step_port = 0
+            return None
+
     async def receive_result(self, step: StepInput) -> StepOutput:
         """The result of `step`, the oldest step sent and not yet answered."""
+        if self._socket is not None:
+            return await self._receive_socket(step)
         if self._call is None:
             raise ExecutorLost("no step stream open")
         try:
@@ -324,8 +346,31 @@ class ExecutorClient:
             raise ExecutorLost(f"step {step.step_id} answered as {result.step_id}")
         return result
 
+    async def _receive_socket(self, step: StepInput) -> StepOutput:
+        """`receive_result` on the step socket."""
+        assert self._socket is not None
+        try:
+            async with asyncio.timeout(self.step_timeout):
+                msg = await self._socket.receive()
+        except StepSocketError as exc:
+            await self.close_stream()
+            raise ExecutorLost(f"step stream broke: {exc.code}: {exc.details}") from exc
+        except TimeoutError as exc:  # before OSError, of which it is one
+            await self.close_stream()
+            raise ExecutorLost(f"step {step.step_id} took over {self.step_timeout:g}s") from exc
+        except OSError as exc:
+            await self.close_stream()
+            raise ExecutorLost(f"step socket broke: {exc!r}") from exc
+        result = convert.result_from_pb(msg)
+        if result.step_id != step.step_id:
+            raise ExecutorLost(f"step {step.step_id} answered as {result.step_id}")
+        return result
+
     async def close_stream(self) -> None:
         """End the step stream, if open."""
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
         if self._call is not None:
             self._call.cancel()
             self._call = None

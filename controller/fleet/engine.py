@@ -29,7 +29,7 @@ from common.wire.step_types import NewRequestData
 from controller.core.kv_cache import hash_token_blocks
 from controller.core.outputs import GenerationRequest, OutputDelta
 from controller.core.snapshot import ExecutorSnapshot
-from controller.fleet.client import make_security
+from controller.fleet.channel_security import make_security
 from controller.fleet.discovery import Discovery
 from controller.fleet.fleet_model import FleetModel
 from controller.fleet.incarnations import Incarnations

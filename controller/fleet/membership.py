@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from controller.fleet.session import ExecutorSession
 
 if TYPE_CHECKING:
-    from controller.fleet.client import ChannelSecurity
+    from controller.fleet.channel_security import ChannelSecurity
     from controller.fleet.discovery import Discovery
     from controller.fleet.peers import Peers
     from controller.observe.metrics import EngineMetrics

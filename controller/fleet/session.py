@@ -25,8 +25,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from controller.fleet.channel_security import ChannelSecurity
 from controller.fleet.client import (
-    ChannelSecurity,
     ExecutorClient,
     ExecutorLost,
     OwnedElsewhere,
@@ -251,6 +251,9 @@ class ExecutorSession(SessionView, StepLoop, Handover):
             self._claim(hs.info.incarnation_id)
         self.owner.check_compatible(self.address, hs.info)
         self.client.packed_steps = hs.info.capabilities.packed_steps
+        self.client.step_port = (
+            hs.info.capabilities.step_socket_port if cfg.executor_step_socket else 0
+        )
         self._retire_scheduler()
         self.scheduler = new_scheduler(cfg, hs.info, hs.num_blocks)
         self.max_num_batched_tokens = self.scheduler.config.max_num_batched_tokens

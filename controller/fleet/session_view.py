@@ -147,6 +147,7 @@ class SessionView:
             owned=self.client.generation > 0 and self.scheduler is not None,
             owner=self.client.owner_id if self.scheduler is not None else self.owned_by,
             assigned_to=self.assigned_to,
+            step_transport=self.client.step_transport,
         )
 
     @property

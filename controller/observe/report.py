@@ -38,6 +38,7 @@ def executor_report(snap: ExecutorSnapshot, now: float | None = None) -> dict:
         "tokens_per_second": round(snap.tokens_per_second, 1),
         "steps": snap.steps,
         "tokens": snap.tokens,
+        "step_transport": snap.step_transport,
         "requests_placed": snap.requests_placed,
         "prefix_cache_queries": snap.prefix_cache_queries,
         "prefix_cache_hits": snap.prefix_cache_hits,

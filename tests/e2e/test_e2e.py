@@ -29,6 +29,8 @@ def test_completions_match_transformers(server, hf):
         assert r.usage.completion_tokens == len(ids)
         assert r.choices[0].text == hf.tokenizer.decode(ids, skip_special_tokens=True)
     assert_no_blocks_in_use(server)
+    # No --step-port: the steps go over gRPC's ExecuteModel (tight_server's over a socket).
+    assert [e["step_transport"] for e in server.executors_state()] == ["grpc"]
 
 
 def test_chat_matches_transformers(server, hf):
@@ -281,6 +283,8 @@ def test_tight_server_chunked_prefill_preemption_prefix_cache(tight_server, hf):
     """48-token steps and 19 usable KV blocks: long prompts are chunked, requests are
     preempted and resumed, shared prefixes hit the cache; output stays identical."""
     assert_exact_under_pressure(tight_server, hf)
+    # Its executor's steps went over the step socket; the default server's over gRPC.
+    assert [e["step_transport"] for e in tight_server.executors_state()] == ["socket"]
 
 
 def test_min_tokens_holds_back_eos(server, hf):

@@ -133,6 +133,7 @@ def test_kill9_one_of_two_executors_mid_stream(executor_pair, default_model_dir)
         f"{detected:.2f}s, longest stream pause {pause:.2f}s"
     )
     assert texts == expected
+    assert victim["step_transport"] == "socket"  # the pair's steps go over step sockets
     # Every block on the survivor is back; the victim holds nothing.
     assert_no_blocks_in_use(server)
     metrics = httpx.get(server.base_url + "/metrics").text
@@ -146,6 +147,7 @@ def test_kill9_one_of_two_executors_mid_stream(executor_pair, default_model_dir)
     assert again == expected[:6]
     back = next(e for e in server.executors_state() if e["address"] == victim["address"])
     assert back["requests_placed"] > placed_before, back
+    assert back["step_transport"] == "socket", back  # the restarted one's socket too
     assert_no_blocks_in_use(server)
 
 
@@ -154,9 +156,11 @@ def _restart(server, index: int, model_dir) -> list[dict]:
     healthy."""
     server.executors[index].wait()
     port = server.executor_ports[index]
+    step = server.executor_step_ports[index:]
+    extra = ["--step-port", str(step[0])] if step else []
     log = open(os.path.join(server.log_dir, f"executor{index}-restarted.log"), "w")
     server.executors[index] = subprocess.Popen(
-        [sys.executable, *executor_command("executor_gpu", model_dir, port)],
+        [sys.executable, *executor_command("executor_gpu", model_dir, port, extra)],
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -211,6 +215,7 @@ def test_hung_executor_is_detected_by_timeout(executor_pair):
     )
     try:
         assert texts == expected
+        assert victim["step_transport"] == "socket"
         assert detected < 15, detected
         assert_no_blocks_in_use(server)
     finally:
@@ -224,6 +229,7 @@ def test_hung_executor_is_detected_by_timeout(executor_pair):
     assert expected_texts(server, STREAM_PROMPTS[:6]) == expected[:6]
     back = next(e for e in server.executors_state() if e["address"] == victim["address"])
     assert back["requests_placed"] > placed_before, back
+    assert back["step_transport"] == "socket", back  # a new socket after the reconnect
     assert_no_blocks_in_use(server)
 
 

@@ -255,6 +255,7 @@ def test_serve_starts_two_controllers_behind_haproxy(default_model_dir, tmp_path
     run_dir = tmp_path / "run"
     argv = ["--executor", "sim", "--controllers", "2", "--port", str(port)]
     argv += ["--controller-port", str(controllers), "--executor-port", str(free_port())]
+    argv += ["--executor-step-port", str(free_port())]
     argv += ["--run-dir", str(run_dir), "--model", default_model_dir]
     serve = spawn_serve(argv, str(tmp_path / "serve.log"))
     base = f"http://127.0.0.1:{port}"

@@ -34,6 +34,7 @@ def group_members(pgid: int) -> list[int]:
 def test_serve_answers_a_chat_and_stops_on_sigterm(default_model_dir, tmp_path):
     port, executor_port = free_port(), free_port()
     argv = ["--port", str(port), "--executor-port", str(executor_port)]
+    argv += ["--executor-step-port", str(free_port())]
     argv += [f"--executor-args=--kv-cache-bytes {256 * 2**20}"]
     if os.path.realpath(default_model_dir) != os.path.realpath(DEFAULT_MODEL_DIR):
         argv += ["--model", default_model_dir]  # else: serve's own default, unnamed
@@ -59,6 +60,8 @@ def test_serve_answers_a_chat_and_stops_on_sigterm(default_model_dir, tmp_path):
             temperature=0,
         )
         assert reply.choices[0].message.content and reply.usage.completion_tokens > 0
+        executors = httpx.get(base + "/admin/executors", timeout=10).json()["executors"]
+        assert [e["step_transport"] for e in executors] == ["socket"]  # serve's default
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=120) == 0, log_path.read_text()[-3000:]
         deadline = time.time() + 10

@@ -3,7 +3,8 @@
 A controller with the CA, a client certificate and the token serves completions; the executor
 refuses plaintext, clients without a certificate or with one from another CA, and calls
 without the token (health checks excepted, and a plaintext health-only port serves probes).
-The controller can also verify a chosen server name and serve HTTPS itself.
+Its step socket (--step-port), which the controller drives the steps over, has the same TLS
+and token. The controller can also verify a chosen server name and serve HTTPS itself.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import socket
+import ssl
 import time
 
 import grpc
@@ -20,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.wire.pb import executor_pb2 as pb
 from common.wire.pb import executor_pb2_grpc as pb_grpc
+from common.wire.step_frames import END, HEADER, HELLO, MAGIC, frame
 from tests.e2e.helpers import https_client
 from tests.support.processes import (
     free_port,
@@ -128,6 +132,7 @@ def mtls_server(default_model_dir, tmp_path_factory, certs):
         default_model_dir,
         str(tmp_path_factory.mktemp("mtls")),
         executor_args=[*_executor_tls_args(certs), "--health-port", str(health_port)],
+        step_sockets=True,
         controller_args=[
             "--executor-tls-ca",
             certs["ca.pem"],
@@ -169,6 +174,55 @@ def test_completion_over_mtls_with_token(mtls_server):
         model=s.model_name, prompt="The capital of France is", max_tokens=6, temperature=0
     )
     assert r.choices[0].finish_reason in ("length", "stop") and r.choices[0].text
+    # The steps went over the executor's step socket, under the same mTLS and token.
+    assert [e["step_transport"] for e in s.executors_state()] == ["socket"]
+
+
+def _socket_hello(port: int, certs: dict, client: str | None, token: str) -> bytes:
+    """Connect the executor's step socket over TLS (presenting `client`'s certificate, if
+    any), send a hello with `token`; the bytes the executor answers before closing."""
+    context = ssl.create_default_context(cafile=certs["ca.pem"])
+    if client:
+        context.load_cert_chain(certs[f"{client}.pem"], certs[f"{client}.key"])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            tls.sendall(MAGIC + frame(HELLO, pb.StepSocketHello(token=token).SerializeToString()))
+            answer = b""
+            while chunk := tls.recv(4096):
+                answer += chunk
+            return answer
+
+
+def test_step_socket_refuses_plaintext_certless_clients_and_wrong_tokens(mtls_server, certs):
+    port = mtls_server.executor_step_ports[0]
+    # Plaintext: the executor waits for a TLS handshake and closes on these bytes.
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as plain:
+        plain.sendall(MAGIC + frame(HELLO, b""))
+        answer = b""
+        try:
+            while chunk := plain.recv(4096):  # at most a TLS alert, then the close
+                answer += chunk
+        except ConnectionResetError:
+            pass
+        assert answer[:1] in (b"", b"\x15"), answer  # nothing, or an alert record
+    # TLS without a client certificate, or with another CA's: no stream.
+    for client in (None, "intruder"):
+        try:
+            answer = _socket_hello(port, certs, client, TOKEN)
+        except (ssl.SSLError, ConnectionResetError):
+            continue
+        assert answer == b"", client
+    # The controller's certificate with a wrong token: one END frame, UNAUTHENTICATED.
+    answer = _socket_hello(port, certs, "controller", "not-the-token")
+    length, kind = HEADER.unpack(answer[: HEADER.size])
+    assert kind == END
+    end = pb.StepSocketEnd.FromString(answer[HEADER.size : HEADER.size + length])
+    assert end.code == "UNAUTHENTICATED"
+    # The serving controller's socket stream was never disturbed.
+    r = mtls_server.client().completions.create(
+        model=mtls_server.model_name, prompt="Hi", max_tokens=2, temperature=0
+    )
+    assert r.choices[0].text is not None
 
 
 def test_executor_refuses_clients_without_a_valid_certificate(mtls_server, certs):

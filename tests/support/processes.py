@@ -47,6 +47,7 @@ class LiveServer:
     executor_ports: list[int] = field(default_factory=list)  # their gRPC ports
     log_dir: str = ""  # where process logs go
     admin_key: str = ""  # the controller's --admin-api-key; "" = none (loopback reaches admin)
+    executor_step_ports: list[int] = field(default_factory=list)  # their --step-port (if any)
 
     def client(self, **kw):
         import openai
@@ -144,17 +145,23 @@ def start_server(
     executor_args=(),
     executor_kinds=("executor_gpu",),
     timeout: float = 600.0,
+    step_sockets: bool = False,
 ) -> LiveServer:
     """Start one executor per entry of executor_kinds (a module name each) and a controller;
-    wait until /health answers 200."""
+    wait until /health answers 200. `step_sockets`: each executor also serves a step socket
+    (--step-port, a free port each)."""
     import httpx
 
-    executors, ports = [], []
+    executors, ports, step_ports = [], [], []
     for i, module in enumerate(executor_kinds):
         port = free_port()
+        args = list(executor_args)
+        if step_sockets:
+            step_ports.append(free_port())
+            args += ["--step-port", str(step_ports[-1])]
         executors.append(
             spawn_process(
-                executor_command(module, model, port, executor_args),
+                executor_command(module, model, port, args),
                 os.path.join(tmp_dir, f"executor{i}.log"),
             )
         )
@@ -182,6 +189,7 @@ def start_server(
         executors,
         ports,
         tmp_dir,
+        executor_step_ports=step_ports,
     )
     deadline = time.time() + timeout
     while True:

@@ -60,6 +60,8 @@ def test_serve_plans_executors_then_the_controller():
             "both",
             "--executor-port",
             "6000",
+            "--executor-step-port",
+            "6100",
             "--tpu-args=--token-buckets 32,128",
             "--executor-args=--kv-cache-bytes 1024",
             "--port",
@@ -80,10 +82,13 @@ def test_serve_plans_executors_then_the_controller():
         "127.0.0.1",
         "--port",
         "6000",
+        "--step-port",
+        "6100",
         "--kv-cache-bytes",
         "1024",
     ]
-    assert tpu.command[-5:] == ["6001", "--kv-cache-bytes", "1024", "--token-buckets", "32,128"]
+    assert tpu.command[-7:-4] == ["6001", "--step-port", "6101"]
+    assert tpu.command[-4:] == ["--kv-cache-bytes", "1024", "--token-buckets", "32,128"]
     assert controller.command[1:3] == ["-m", "controller"]
     assert "--executor-limits" in controller.command  # what serve does not know goes on
     assert config.executors == ["127.0.0.1:6000", "127.0.0.1:6001"]

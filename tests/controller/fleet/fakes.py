@@ -71,6 +71,8 @@ class FakeClient:
         self.owner_id = ""  # ownerless sessions: no lease to renew or release
         self.generation = 0
         self.granted_seconds = 0.0
+        self.step_port = 0  # the handshake's step socket port (none: steps as over gRPC)
+        self.step_transport = "grpc"  # as ExecutorClient.step_transport
 
     async def check_health(self, timeout: float) -> str:
         return "SERVING"

@@ -134,6 +134,7 @@ def test_admin_report_is_a_function_of_a_snapshot():
         owned=True,
         owner="host/abc",
         assigned_to="10.0.0.2:8000",
+        step_transport="socket",
     )
     assert executor_report(snap, now=100.0) == {
         "address": "a:1",
@@ -160,6 +161,7 @@ def test_admin_report_is_a_function_of_a_snapshot():
         "tokens_per_second": 1234.6,
         "steps": 10,
         "tokens": 100,
+        "step_transport": "socket",
         "requests_placed": 7,
         "prefix_cache_queries": 500,
         "prefix_cache_hits": 320,
