@@ -363,8 +363,14 @@ def test_network_policy_admits_only_the_controller(rendered, values_file):
         for other in executors:
             assert not selects(peer["podSelector"]["matchLabels"], pod_labels(other))
         ports = {p["name"]: p["containerPort"] for p in container(sts, "executor")["ports"]}
-        port, metrics_port = ports["grpc"], ports["metrics"]
-        assert rule["ports"] == [{"port": port, "protocol": "TCP"}]
+        port, metrics_port, steps = ports["grpc"], ports["metrics"], ports["steps"]
+        # The controller alone reaches the gRPC port and the step socket (--step-port).
+        assert rule["ports"] == [
+            {"port": port, "protocol": "TCP"},
+            {"port": steps, "protocol": "TCP"},
+        ]
+        args = container(sts, "executor")["args"]
+        assert args[args.index("--step-port") + 1] == str(steps)
         # Anyone allowed to scrape reaches the metrics port, and only that port.
         assert metrics_rule["ports"] == [{"port": metrics_port, "protocol": "TCP"}]
 
