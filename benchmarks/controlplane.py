@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -102,6 +103,7 @@ class PointResult:
     stream_writers: int = 0  # the controller's --stream-writers
     writer_cpu_util: float = 0.0  # the stream writer processes' CPU / wall seconds, summed
     writer_us_per_token: float = 0.0  # their CPU microseconds per sampled token
+    transport: str = "grpc"  # how steps went: "grpc" (ExecuteModel) or "socket" (--step-port)
 
 
 def cpu_times(pid: int) -> tuple[float, float]:
@@ -216,8 +218,26 @@ def measure(
     )
 
 
+def free_port_range(count: int) -> int:
+    """The first of `count` consecutive ports free now (a sim process's step sockets)."""
+    for _ in range(100):
+        first = free_port()
+        if all(_port_free(first + i) for i in range(1, count)):
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def controller_args(
-    a: argparse.Namespace, ports: list[int], running: int, writers: int = 0
+    a: argparse.Namespace, ports: list[int], running: int, writers: int = 0, transport: str = ""
 ) -> list[str]:
     """Controller flags for one point: room for every request in a step and in the KV pool."""
     executors = len(ports)
@@ -239,6 +259,8 @@ def controller_args(
         args += ["--executor", f"127.0.0.1:{port}"]
     if writers:
         args += ["--stream-writers", str(writers)]
+    if transport == "grpc" and "socket" in a.transports:  # the sims offer one: not taken
+        args += ["--no-executor-step-socket"]
     return args + a.controller_args.split()
 
 
@@ -252,10 +274,12 @@ def run_point(
     stream: bool = False,
     controllers: int = 1,
     writers: int = 0,
+    transport: str = "grpc",
 ) -> PointResult:
     """Start the controllers on the running sims, load them, measure the window, stop them."""
     name = f"controller-{len(ports)}x{running}x{controllers}{'-stream' if stream else ''}w{writers}"
-    args = controller_args(a, ports, running, writers)
+    name += f"-{transport}"
+    args = controller_args(a, ports, running, writers, transport)
     servers = start_controllers(a.model, tmp, args, controllers, name)
     try:
         wait_divided(servers, len(ports), a.settle_timeout, tmp)
@@ -269,7 +293,7 @@ def run_point(
             stream,
         )
         point = drive(a, servers, spec, len(ports), metric_ports, tmp)
-        return replace(point, stream_writers=writers)
+        return replace(point, stream_writers=writers, transport=transport)
     finally:
         stop_all(servers)
 
@@ -356,6 +380,8 @@ def start_sims(a: argparse.Namespace, tmp: str, count: int) -> tuple[list, list[
             "--log-level",
             "WARNING",
         ]
+        if "socket" in a.transports:  # the sims offer a step socket; "grpc" points ignore it
+            extra += ["--step-port", str(free_port_range(count))]
         procs.append(
             spawn_process(
                 executor_command("executor_sim", a.model, 0, extra),
@@ -394,7 +420,7 @@ def format_table(points: list[PointResult]) -> str:
         f"{'steps/s':>8} "
         f"{'tok/s':>8} {'batch':>6} {'ctl_cpu%':>8} {'ctl_wait%':>9} {'cpu_ms/step':>11} "
         f"{'cpu_us/tok':>10} {'B/req/decode':>12} {'load_cpu%':>9} {'load_us/tok':>11} "
-        f"{'ctl_sys%':>8} {'writers':>7} {'wr_cpu%':>7} {'wr_us/tok':>9}"
+        f"{'ctl_sys%':>8} {'writers':>7} {'wr_cpu%':>7} {'wr_us/tok':>9} {'steps':>6}"
     )
     rows = [head]
     for p in points:
@@ -407,7 +433,8 @@ def format_table(points: list[PointResult]) -> str:
             f"{p.cpu_ms_per_step:>11.3f} {p.cpu_us_per_token:>10.1f} "
             f"{p.bytes_per_request_decode:>12.1f} {100 * p.load_cpu_util:>9.1f} "
             f"{p.load_us_per_token:>11.1f} {100 * p.controller_sys_share:>8.1f} "
-            f"{p.stream_writers:>7} {100 * p.writer_cpu_util:>7.1f} {p.writer_us_per_token:>9.1f}"
+            f"{p.stream_writers:>7} {100 * p.writer_cpu_util:>7.1f} {p.writer_us_per_token:>9.1f} "
+            f"{p.transport:>6}"
         )
     return "\n".join(rows)
 
@@ -434,13 +461,15 @@ def stream_modes(choice: str) -> list[bool]:
     return {"no": [False], "yes": [True], "both": [False, True]}[choice]
 
 
-def point_modes(a: argparse.Namespace) -> list[tuple[bool, int]]:
-    """(streamed, stream writers) per point: each --stream-writers count for streamed points
-    (they write only streams), none for non-streamed ones."""
+def point_modes(a: argparse.Namespace) -> list[tuple[bool, int, str]]:
+    """(streamed, stream writers, transport) per point: each --stream-writers count for
+    streamed points (they write only streams), none for non-streamed ones; each of those with
+    each --transports, in turn."""
     modes = []
     for stream in stream_modes(a.stream):
         for writers in a.stream_writers if stream else [0]:
-            modes.append((stream, writers))
+            for transport in a.transports:
+                modes.append((stream, writers, transport))
     return modes
 
 
@@ -514,6 +543,13 @@ def main(argv=None) -> None:
         help="the controller's --stream-writers for streamed points, comma-separated (e.g. 0,2)",
     )
     p.add_argument(
+        "--transports",
+        type=lambda text: [x for x in text.split(",") if x],
+        default=["grpc"],
+        help="how the controller sends steps, per point, comma-separated: grpc (ExecuteModel), "
+        "socket (the sims' step socket, --step-port); e.g. grpc,socket,grpc,socket",
+    )
+    p.add_argument(
         "--py-spy", default="", help="record the controller with py-spy into this folder"
     )
     p.add_argument("--json", default="", help="write the results here")
@@ -530,7 +566,7 @@ def main(argv=None) -> None:
                     for controllers in a.controllers:
                         if running < count or count < controllers:
                             continue
-                        for stream, writers in point_modes(a):
+                        for stream, writers, transport in point_modes(a):
                             point = run_point(
                                 a,
                                 tmp,
@@ -541,6 +577,7 @@ def main(argv=None) -> None:
                                 stream,
                                 controllers,
                                 writers,
+                                transport,
                             )
                             points.append(point)
                             print(
