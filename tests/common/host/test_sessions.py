@@ -4,7 +4,6 @@ driving the device beside the new one."""
 
 from __future__ import annotations
 
-import queue
 import signal
 
 import grpc
@@ -14,24 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.wire.pb import executor_pb2 as pb
 from common.wire.pb import executor_pb2_grpc as pb_grpc
 from tests.support.processes import spawn_executor, wait_until
-
-
-class _Stream:
-    """A bidirectional ExecuteModel call driven one step at a time."""
-
-    def __init__(self, stub: pb_grpc.ExecutorStub):
-        self._requests: queue.Queue = queue.Queue()
-        self._responses = stub.ExecuteModel(iter(self._requests.get, None), timeout=60)
-        self._step = 0
-
-    def step(self) -> pb.StepResult:
-        self._step += 1
-        self._requests.put(pb.StepRequest(step_id=self._step))
-        return next(self._responses)
-
-    def close(self) -> None:
-        self._requests.put(None)
-        self._responses.cancel()
+from tests.support.step_streams import GrpcStepStream
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +49,9 @@ def _handshake(stub: pb_grpc.ExecutorStub) -> None:
 
 
 def test_new_stream_replaces_the_open_one(bare_executor):
-    first = _Stream(bare_executor)
+    first = GrpcStepStream(bare_executor)
     assert first.step().step_id == 1
-    second = _Stream(bare_executor)
+    second = GrpcStepStream(bare_executor)
     assert second.step().step_id == 1
     with pytest.raises(grpc.RpcError) as exc:
         first.step()
@@ -81,14 +63,14 @@ def test_new_stream_replaces_the_open_one(bare_executor):
 
 
 def test_new_session_ends_the_open_stream(bare_executor):
-    stream = _Stream(bare_executor)
+    stream = GrpcStepStream(bare_executor)
     assert stream.step().step_id == 1
     _handshake(bare_executor)  # another controller's session
     with pytest.raises(grpc.RpcError) as exc:
         stream.step()
     assert exc.value.code() == grpc.StatusCode.ABORTED
     assert "newer controller session" in exc.value.details()
-    fresh = _Stream(bare_executor)
+    fresh = GrpcStepStream(bare_executor)
     assert fresh.step().step_id == 1
     fresh.close()
     stream.close()

@@ -1,17 +1,16 @@
 """The executor's step socket (common/host/step_socket.py), against real executor processes
 over real sockets: the advertised port; the same greedy tokens as the gRPC ExecuteModel stream;
-gRPC's replacement, fencing and token semantics carried over (END frames with the gRPC status
-names); and hostile input that costs the executor nothing: wrong magic, oversized frame
-headers (its RSS does not grow), frames that do not parse, more connections than the cap,
-silent or slow clients (closed by the hello timeout) and clients that vanish mid-stream, after
-which gRPC and socket streams still work and health stays SERVING."""
+gRPC's replacement, fencing, cancellation by a new owner and token semantics carried over
+(END frames with the gRPC status names); and hostile input that costs the executor nothing:
+wrong magic, oversized frame headers (its RSS does not grow), frames that do not parse, more
+connections than the cap, silent or slow clients (closed by the hello timeout) and clients
+that vanish mid-stream, after which gRPC and socket streams still work and health stays
+SERVING."""
 
 from __future__ import annotations
 
 import os
-import queue
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -24,22 +23,15 @@ from tokenizers import Tokenizer
 from common.wire.pb import executor_pb2 as pb
 from common.wire.pb import executor_pb2_grpc as pb_grpc
 from common.wire.rpc_token import token_metadata
-from common.wire.step_frames import END, HEADER, HELLO, MAGIC, RESULT, STEP, frame
+from common.wire.step_frames import HEADER, HELLO, MAGIC, RESULT, STEP, frame
 from tests.support.processes import PeakRSS, free_port, grpc_health, spawn_executor, wait_until
+from tests.support.step_streams import GrpcStepStream, SocketStepStream, StreamEnded
 
 MAX_STEP_BYTES = 256 * 2**20  # the executor's bound on a step frame (common/host/server.py)
 MAX_CONNECTIONS = 8  # StepSocketServer's default cap
 DECODE_STEPS = 8  # tokens generated per request in the comparisons
 RSS_SLACK_MIB = 8  # what a refused frame may cost the executor, at most
 TOKEN = "s3cret-step-token"  # the token test's executor token
-
-
-class _End(Exception):
-    """The executor ended a socket stream with this END frame."""
-
-    def __init__(self, end: pb.StepSocketEnd):
-        super().__init__(f"{end.code}: {end.details}")
-        self.code, self.details = end.code, end.details
 
 
 @dataclass
@@ -93,90 +85,6 @@ def executor(default_model_dir, tmp_path_factory):
     ex.stop()
 
 
-class _GrpcStream:
-    """An ExecuteModel call driven one step at a time (step ids from 1)."""
-
-    def __init__(self, ex: _Executor):
-        self._requests: queue.Queue = queue.Queue()
-        self._responses = ex.stub.ExecuteModel(
-            iter(self._requests.get, None), timeout=120, metadata=ex.metadata
-        )
-        self._step = 0
-
-    def step(self, req: pb.StepRequest | None = None) -> pb.StepResult:
-        self._step += 1
-        req = req or pb.StepRequest()
-        req.step_id = self._step
-        self._requests.put(req)
-        result = next(self._responses)
-        assert result.step_id == self._step
-        return result
-
-    def close(self) -> None:
-        self._requests.put(None)
-        self._responses.cancel()
-
-
-class _Socket:
-    """A blocking step-socket client: MAGIC and the HELLO frame (unless `hello` is False), then
-    STEP frames, each answered by a RESULT frame (or the stream's END)."""
-
-    def __init__(self, port: int, token: str = "", generation: int = 0, hello: bool = True):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=20)
-        self._step = 0
-        if hello:
-            msg = pb.StepSocketHello(token=token, generation=generation)
-            self.send(MAGIC + frame(HELLO, msg.SerializeToString()))
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def read_frame(self) -> tuple[int, bytes]:
-        """The next frame's (kind, payload); AssertionError if the connection closed."""
-        header = self.sock.recv(HEADER.size, socket.MSG_WAITALL)
-        assert len(header) == HEADER.size, "the executor closed the step socket"
-        length, kind = HEADER.unpack(header)
-        payload = self.sock.recv(length, socket.MSG_WAITALL) if length else b""
-        assert len(payload) == length, "the executor closed the step socket in a frame"
-        return kind, payload
-
-    def step(self, req: pb.StepRequest | None = None) -> pb.StepResult:
-        """Run one step: its result, or _End when the executor ends the stream."""
-        self._step += 1
-        req = req or pb.StepRequest()
-        req.step_id = self._step
-        self.send(frame(STEP, req.SerializeToString()))
-        kind, payload = self.read_frame()
-        if kind == END:
-            raise _End(pb.StepSocketEnd.FromString(payload))
-        assert kind == RESULT
-        result = pb.StepResult.FromString(payload)
-        assert result.step_id == self._step
-        return result
-
-    def end(self) -> pb.StepSocketEnd:
-        """The END frame that must come next, after which the executor closes."""
-        kind, payload = self.read_frame()
-        assert kind == END, f"frame kind {kind}, not END"
-        assert self.closed(within=5), "still open after END"
-        return pb.StepSocketEnd.FromString(payload)
-
-    def closed(self, within: float) -> bool:
-        """Whether the executor closes the connection, sending nothing, within `within` s."""
-        self.sock.settimeout(within)
-        try:
-            return self.sock.recv(1) == b""
-        except (ConnectionResetError, BrokenPipeError):
-            return True
-        except TimeoutError:
-            return False
-        finally:
-            self.sock.settimeout(20)
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def _generate(run_step, rid: str, prompt: list[int], block_size: int) -> list[int]:
     """Greedy decoding of `prompt` for DECODE_STEPS steps through `run_step` (a stream's
     `step`): a NewRequest's prefill, then a CachedRequest per token; then the request is
@@ -214,10 +122,10 @@ def _prompt(model_dir: str) -> list[int]:
 def _assert_serving(ex: _Executor) -> None:
     """Health SERVING, a gRPC step stream and then a socket step stream run a step each."""
     assert grpc_health(f"127.0.0.1:{ex.port}") == "SERVING"
-    stream = _GrpcStream(ex)
+    stream = GrpcStepStream(ex.stub, ex.metadata)
     assert stream.step().step_id == 1
     stream.close()
-    sock = _Socket(ex.step_port, token=ex.token)
+    sock = SocketStepStream(ex.step_port, token=ex.token)
     assert sock.step().step_id == 1
     assert sock.step().step_id == 2
     sock.close()
@@ -225,7 +133,7 @@ def _assert_serving(ex: _Executor) -> None:
 
 def _one_step(port: int) -> bool:
     """Whether a new socket stream runs a step (it is closed after)."""
-    sock = _Socket(port)
+    sock = SocketStepStream(port)
     try:
         return sock.step().step_id == 1
     finally:
@@ -249,10 +157,10 @@ def test_same_tokens_as_grpc(executor, default_model_dir):
     prompt = _prompt(default_model_dir)
     block_size = executor.info.kv_cache.block_size
     vocab = executor.info.model.vocab_size
-    stream = _GrpcStream(executor)
+    stream = GrpcStepStream(executor.stub, executor.metadata)
     over_grpc = _generate(stream.step, "grpc-same", prompt, block_size)
     stream.close()
-    sock = _Socket(executor.step_port, generation=executor.info.generation)
+    sock = SocketStepStream(executor.step_port, generation=executor.info.generation)
     over_socket = _generate(sock.step, "socket-same", prompt, block_size)
     sock.close()
     assert len(over_grpc) == DECODE_STEPS and all(0 <= t < vocab for t in over_grpc)
@@ -260,11 +168,11 @@ def test_same_tokens_as_grpc(executor, default_model_dir):
 
 
 def test_a_newer_grpc_stream_replaces_a_socket_stream(executor):
-    sock = _Socket(executor.step_port)
+    sock = SocketStepStream(executor.step_port)
     assert sock.step().step_id == 1
-    stream = _GrpcStream(executor)
+    stream = GrpcStepStream(executor.stub, executor.metadata)
     assert stream.step().step_id == 1
-    with pytest.raises(_End) as ended:
+    with pytest.raises(StreamEnded) as ended:
         sock.step()
     assert ended.value.code == "ABORTED"
     assert "replaced by a newer step stream" in ended.value.details
@@ -275,9 +183,9 @@ def test_a_newer_grpc_stream_replaces_a_socket_stream(executor):
 
 
 def test_a_newer_socket_stream_replaces_a_grpc_stream(executor):
-    stream = _GrpcStream(executor)
+    stream = GrpcStepStream(executor.stub, executor.metadata)
     assert stream.step().step_id == 1
-    sock = _Socket(executor.step_port)
+    sock = SocketStepStream(executor.step_port)
     assert sock.step().step_id == 1
     with pytest.raises(grpc.RpcError) as exc:
         stream.step()
@@ -290,20 +198,20 @@ def test_a_newer_socket_stream_replaces_a_grpc_stream(executor):
 
 def test_fencing(executor):
     old = executor.info.generation
-    sock = _Socket(executor.step_port, generation=old)
+    sock = SocketStepStream(executor.step_port, generation=old)
     assert sock.step().step_id == 1
     new = executor.handshake().generation  # another controller's session
     assert new > old
-    with pytest.raises(_End) as ended:  # same (no) owner: the open stream is replaced
+    with pytest.raises(StreamEnded) as ended:  # same (no) owner: the open stream is replaced
         sock.step()
     assert ended.value.code == "ABORTED"
     assert "newer controller session" in ended.value.details
     sock.close()
-    stale = _Socket(executor.step_port, generation=old)  # a new stream of the old session
+    stale = SocketStepStream(executor.step_port, generation=old)  # a new stream of the old session
     end = stale.end()  # at once: no step needed
     assert end.code == "FAILED_PRECONDITION" and f"generation {old} is stale" in end.details
     stale.close()
-    current = _Socket(executor.step_port, generation=new)
+    current = SocketStepStream(executor.step_port, generation=new)
     assert current.step().step_id == 1
     current.close()
 
@@ -311,7 +219,7 @@ def test_fencing(executor):
 def test_another_owner_ends_an_open_stream_at_once(executor):
     """A named owner taking the executor cancels the open stream without waiting for its next
     step: the controller reads END CANCELLED (not a reset) and the connection closes."""
-    sock = _Socket(executor.step_port, generation=executor.info.generation)
+    sock = SocketStepStream(executor.step_port, generation=executor.info.generation)
     assert sock.step().step_id == 1
     req = pb.InitDeviceRequest(
         max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256, owner_id="ctl-b"
@@ -338,10 +246,10 @@ def test_token(default_model_dir, tmp_path):
             ex.stub.InitDevice(pb.InitDeviceRequest(), timeout=30)
         assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
         ex.handshake()
-        missing = _Socket(ex.step_port)
+        missing = SocketStepStream(ex.step_port)
         assert missing.end().code == "UNAUTHENTICATED"
         missing.close()
-        wrong = _Socket(ex.step_port, token=TOKEN[:-1] + "N")
+        wrong = SocketStepStream(ex.step_port, token=TOKEN[:-1] + "N")
         wrong.send(frame(STEP, pb.StepRequest(step_id=1).SerializeToString()))  # pipelined
         assert wrong.end().code == "UNAUTHENTICATED"
         wrong.close()
@@ -351,7 +259,7 @@ def test_token(default_model_dir, tmp_path):
 
 
 def test_wrong_magic_is_closed_without_a_reply(executor):
-    sock = _Socket(executor.step_port, hello=False)
+    sock = SocketStepStream(executor.step_port, hello=False)
     sock.send(b"GET / HTTP/1.1\r\nHost: executor\r\n\r\n")
     assert sock.closed(within=2)
     sock.close()
@@ -359,7 +267,7 @@ def test_wrong_magic_is_closed_without_a_reply(executor):
 
 
 def test_oversized_hello_costs_nothing(executor):
-    sock = _Socket(executor.step_port, hello=False)
+    sock = SocketStepStream(executor.step_port, hello=False)
     with PeakRSS(executor.proc.pid, interval=0.02) as rss:
         sock.send(MAGIC + HEADER.pack(2**32 - 1, HELLO))  # a 4 GiB hello
         started = time.monotonic()
@@ -372,7 +280,7 @@ def test_oversized_hello_costs_nothing(executor):
 
 
 def test_oversized_step_costs_nothing(executor):
-    sock = _Socket(executor.step_port)
+    sock = SocketStepStream(executor.step_port)
     assert sock.step().step_id == 1
     with PeakRSS(executor.proc.pid, interval=0.02) as rss:
         sock.send(HEADER.pack(MAX_STEP_BYTES + 1, STEP))
@@ -394,7 +302,7 @@ def test_oversized_step_costs_nothing(executor):
     ids=["unparsable-step", "result-frame", "second-hello"],
 )
 def test_bad_frame_ends_the_stream(executor, data):
-    sock = _Socket(executor.step_port)
+    sock = SocketStepStream(executor.step_port)
     assert sock.step().step_id == 1
     sock.send(data)
     assert sock.end().code == "INVALID_ARGUMENT"
@@ -404,10 +312,10 @@ def test_bad_frame_ends_the_stream(executor, data):
 
 def test_connections_over_the_cap_are_closed_at_once(executor):
     time.sleep(0.5)  # the earlier tests' connections are closed on the executor's side too
-    idle = [_Socket(executor.step_port, hello=False) for _ in range(MAX_CONNECTIONS)]
+    idle = [SocketStepStream(executor.step_port, hello=False) for _ in range(MAX_CONNECTIONS)]
     try:
         time.sleep(0.3)  # all accepted
-        extra = [_Socket(executor.step_port, hello=False) for _ in range(3)]
+        extra = [SocketStepStream(executor.step_port, hello=False) for _ in range(3)]
         for sock in extra:
             assert sock.closed(within=2)
             sock.close()
@@ -420,7 +328,7 @@ def test_connections_over_the_cap_are_closed_at_once(executor):
 
 
 def test_a_silent_client_is_closed_after_the_hello_timeout(executor):
-    silent = _Socket(executor.step_port, hello=False)
+    silent = SocketStepStream(executor.step_port, hello=False)
     started = time.monotonic()
     assert silent.closed(within=15)
     assert 9 < time.monotonic() - started < 12
@@ -431,7 +339,7 @@ def test_a_silent_client_is_closed_after_the_hello_timeout(executor):
 def test_a_slow_hello_is_closed_by_the_hello_timeout(executor):
     """The magic and hello must arrive within the timeout in all, not each byte within it:
     else a client sending a byte every few seconds holds one of the 8 connections for hours."""
-    slow = _Socket(executor.step_port, hello=False)
+    slow = SocketStepStream(executor.step_port, hello=False)
     hello = MAGIC + frame(HELLO, pb.StepSocketHello().SerializeToString())
     stop = threading.Event()
 
@@ -455,7 +363,7 @@ def test_a_slow_hello_is_closed_by_the_hello_timeout(executor):
 
 def test_a_client_gone_mid_stream_leaves_the_executor_serving(executor, default_model_dir):
     prompt = _prompt(default_model_dir)
-    sock = _Socket(executor.step_port)
+    sock = SocketStepStream(executor.step_port)
     new = pb.NewRequest(request_id="gone", prompt_token_ids=prompt, block_ids=[1, 2])
     new.num_scheduled_tokens = len(prompt)
     assert sock.step(pb.StepRequest(new_requests=[new])).step_id == 1
@@ -464,9 +372,9 @@ def test_a_client_gone_mid_stream_leaves_the_executor_serving(executor, default_
     sock.close()
     _assert_serving(executor)
     block_size = executor.info.kv_cache.block_size
-    stream = _GrpcStream(executor)
+    stream = GrpcStepStream(executor.stub, executor.metadata)
     over_grpc = _generate(stream.step, "after-grpc", prompt, block_size)
     stream.close()
-    sock = _Socket(executor.step_port)
+    sock = SocketStepStream(executor.step_port)
     assert _generate(sock.step, "after-socket", prompt, block_size) == over_grpc
     sock.close()
