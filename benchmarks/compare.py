@@ -3,7 +3,9 @@
 Systems, each measured alone on the machine:
 
 - ``tandem``: a controller and one ``executor_gpu`` (CUDA, else the CPU), started here, driven
-  over HTTP by ``benchmarks/serve.py``'s load generator;
+  over HTTP by ``benchmarks/serve.py``'s load generator; steps go over the executor's step
+  socket, as ``tandem serve`` and the chart deploy it;
+- ``tandem_grpc``: the same, with steps over gRPC (the step socket off);
 - ``hf_static``: Hugging Face transformers ``generate`` in this process, static batches of
   ``--concurrency`` prompts, every row generating the batch's longest output;
 - ``vllm`` (with ``--vllm-python``): vLLM's OpenAI server started from that interpreter (a
@@ -53,7 +55,7 @@ def bench_server(base_url: str, specs: list[RequestSpec], concurrency: int) -> d
     return asyncio.run(run_benchmark(base_url, "", specs, concurrency, progress=True))
 
 
-def run_tandem(a: argparse.Namespace, specs: list[RequestSpec]) -> dict:
+def run_tandem(a: argparse.Namespace, specs: list[RequestSpec], step_socket=True) -> dict:
     """Start a controller + executor_gpu, run the workload, stop them."""
     with tempfile.TemporaryDirectory() as tmp:
         server = start_server(
@@ -61,9 +63,14 @@ def run_tandem(a: argparse.Namespace, specs: list[RequestSpec]) -> dict:
             tmp,
             controller_args=shlex.split(a.tandem_args),
             executor_args=["--kv-cache-bytes", str(a.kv_cache_mib << 20), "--dtype", a.dtype],
+            step_sockets=step_socket,
         )
         try:
-            return bench_server(server.base_url, specs, a.concurrency)
+            result = bench_server(server.base_url, specs, a.concurrency)
+            took = [e["step_transport"] for e in server.executors_state()]
+            if took != ["socket" if step_socket else "grpc"]:
+                raise RuntimeError(f"Tandem's steps went over {took}")
+            return result
         finally:
             server.stop()
 
@@ -262,7 +269,12 @@ def main(argv=None) -> None:
     wanted = [s for s in a.systems.split(",") if s]
     if "vllm" in wanted and not a.vllm_python:
         wanted.remove("vllm")
-    runners = {"tandem": run_tandem, "hf_static": run_hf_static, "vllm": run_vllm}
+    runners = {
+        "tandem": run_tandem,
+        "tandem_grpc": lambda a, specs: run_tandem(a, specs, step_socket=False),
+        "hf_static": run_hf_static,
+        "vllm": run_vllm,
+    }
     specs = make_requests(workload_from_args(a))
     results: dict[str, dict] = {}
     failed: dict[str, str] = {}

@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.loadgen import LoadProcess, LoadSpec  # noqa: E402
 from benchmarks.multi_controller import (  # noqa: E402
     fleet_state_all,
+    owned_states,
     start_controllers,
     stop_all,
     wait_divided,
@@ -293,6 +294,9 @@ def run_point(
             stream,
         )
         point = drive(a, servers, spec, len(ports), metric_ports, tmp)
+        took = {e["step_transport"] for s in servers for e in owned_states(s)}
+        if took != {transport}:  # e.g. a step socket the controller could not reach
+            raise RuntimeError(f"steps went over {sorted(took)}, not {transport}")
         return replace(point, stream_writers=writers, transport=transport)
     finally:
         stop_all(servers)

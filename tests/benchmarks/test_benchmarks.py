@@ -121,22 +121,44 @@ def test_controlplane_tiny_grid(default_model_dir, tmp_path):
             "0.3",
             "--output-len",
             "512",
+            "--transports",
+            "grpc,socket",
             "--json",
             str(out),
             "--log-dir",
             str(tmp_path / "logs"),
         ],
-        timeout=180,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr + "".join(
         open(os.path.join(tmp_path / "logs", f)).read()[-2000:]
         for f in os.listdir(tmp_path / "logs")
     )
-    (point,) = json.loads(out.read_text())["points"]
-    assert point["executors"] == 1 and point["running"] == 16
-    assert 0 < point["busy_fraction"] <= 1.0
-    assert point["cpu_ms_per_step"] > 0 and point["cpu_us_per_token"] > 0
-    assert point["bytes_per_request_decode"] > 0 and point["steps_per_s"] > 0
+    points = json.loads(out.read_text())["points"]
+    assert [p["transport"] for p in points] == ["grpc", "socket"]  # each checked by the script
+    for point in points:
+        assert point["executors"] == 1 and point["running"] == 16
+        assert 0 < point["busy_fraction"] <= 1.0
+        assert point["cpu_ms_per_step"] > 0 and point["cpu_us_per_token"] > 0
+        assert point["bytes_per_request_decode"] > 0 and point["steps_per_s"] > 0
+
+
+def test_compare_runs_tandem_over_either_transport(default_model_dir, tmp_path):
+    """compare.py's Tandem, steps over the step socket and over gRPC, in one run: the same
+    greedy workload completes on both, and the ratio is reported."""
+    out = tmp_path / "compare.json"
+    run = run_script(
+        ["benchmarks/compare.py", "--model", default_model_dir, "--systems", "tandem,tandem_grpc"]
+        + ["--concurrency", "2", "--num-prompts", "2", "--input-len", "8", "--output-len", "4"]
+        + ["--kv-cache-mib", "64", "--json", str(out)],
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["failed"] == {}
+    for name in ("tandem", "tandem_grpc"):
+        assert report["results"][name]["completed"] == 2, report["results"][name]
+    assert report["ratios"]["tandem"] == 1.0 and report["ratios"]["tandem_grpc"] > 0
 
 
 def test_controller_step_benchmark(default_model_dir, tmp_path):
