@@ -184,6 +184,7 @@ class InProcessExecutor:
         self.owner_id = ""  # an ownerless session: no lease to renew or release
         self.generation = 0  # the session generation (fencing): none here
         self.granted_seconds = 0.0  # no lease
+        self.step_transport = "in-process"  # how steps go: a call in this process
 
     async def check_health(self, timeout: float) -> str:
         return "SERVING"
