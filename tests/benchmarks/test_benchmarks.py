@@ -138,7 +138,8 @@ def test_controlplane_tiny_grid(default_model_dir, tmp_path):
     assert [p["transport"] for p in points] == ["grpc", "socket"]  # each checked by the script
     for point in points:
         assert point["executors"] == 1 and point["running"] == 16
-        assert 0 < point["busy_fraction"] <= 1.0
+        # a step is counted when it ends: one straddling the window's start counts whole
+        assert 0 < point["busy_fraction"] <= 1.02
         assert point["cpu_ms_per_step"] > 0 and point["cpu_us_per_token"] > 0
         assert point["bytes_per_request_decode"] > 0 and point["steps_per_s"] > 0
 
