@@ -5,6 +5,12 @@ dict and running `json.dumps` over it for each one cost the controller more per 
 step that made the token. A `ChunkTemplate` serialises a response's constant fields once and
 fills the rest in, byte for byte what ``sse_line(body)`` writes for the same body (json's
 default separators, ``ensure_ascii=False``, invalid UTF-8 replaced).
+
+An event is one line. JSON escapes the ASCII line breaks but leaves U+0085, U+2028 and U+2029
+raw, and clients that split a stream with `str.splitlines` (httpx's `aiter_lines`, among
+others) break a line there: an event whose text holds one would reach them as two pieces, the
+second (with its finish reason) dropped. Those three are written as \\u escapes: the same JSON
+string, one line for every reader.
 """
 
 from __future__ import annotations
@@ -12,14 +18,29 @@ from __future__ import annotations
 import json
 from json.encoder import encode_basestring  # the str encoder json.dumps uses (ensure_ascii off)
 
+# The line breaks of `str.splitlines` that JSON leaves raw, as JSON escapes.
+_RAW_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def one_line(encoded: str) -> str:
+    """JSON text with the line breaks JSON leaves raw escaped (ASCII text is returned as is)."""
+    return encoded if encoded.isascii() else encoded.translate(_RAW_BREAKS)
+
+
+def json_string(text: str) -> str:
+    """A JSON string literal of `text` that is one line for every reader."""
+    return one_line(encode_basestring(text))
+
 
 class ChunkTemplate:
     """The bytes of one response's plain streamed chunks (`object` names the chunk kind)."""
 
     def __init__(self, response_id: str, obj: str, created: int, model: str):
-        head = json.dumps(
-            {"id": response_id, "object": obj, "created": created, "model": model},
-            ensure_ascii=False,
+        head = one_line(
+            json.dumps(
+                {"id": response_id, "object": obj, "created": created, "model": model},
+                ensure_ascii=False,
+            )
         )
         # 'data: {"id": ..., "model": ..., "choices": [{"index": ' then the choice's fields.
         self.head = f'data: {head[:-1]}, "choices": [{{"index": '  # before the index
@@ -35,7 +56,7 @@ class ChunkTemplate:
     ) -> bytes:
         """A /v1/completions chunk: {"index", "text", "logprobs": null, "finish_reason"[,
         "token_ids"]}."""
-        body = f'{index}, "text": {encode_basestring(text)}, "logprobs": null'
+        body = f'{index}, "text": {json_string(text)}, "logprobs": null'
         return self._chunk(body, finish_reason, token_ids, include_usage)
 
     def chat(
@@ -48,7 +69,7 @@ class ChunkTemplate:
     ) -> bytes:
         """A chat chunk: {"index", "delta": {"content"} or {}, "logprobs": null,
         "finish_reason"[, "token_ids"]}."""
-        delta = f'{{"content": {encode_basestring(text)}}}' if text else "{}"
+        delta = f'{{"content": {json_string(text)}}}' if text else "{}"
         body = f'{index}, "delta": {delta}, "logprobs": null'
         return self._chunk(body, finish_reason, token_ids, include_usage)
 
@@ -59,7 +80,7 @@ class ChunkTemplate:
         token_ids: list[int] | None,
         include_usage: bool,
     ) -> bytes:
-        reason = "null" if finish_reason is None else encode_basestring(finish_reason)
+        reason = "null" if finish_reason is None else json_string(finish_reason)
         ids = "" if token_ids is None else f', "token_ids": {json.dumps(token_ids)}'
         tail = self.tails[include_usage]
         line = f'{self.head}{body}, "finish_reason": {reason}{ids}{tail}'
@@ -73,5 +94,7 @@ def framed(body: bytes) -> bytes:
 
 
 def sse_line(body: dict) -> bytes:
-    """One SSE event. Bytes, encoded here: nothing unencodable can fail the stream."""
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode("utf-8", "replace")
+    """One SSE event, on one line. Bytes, encoded here: nothing unencodable can fail the
+    stream."""
+    line = f"data: {one_line(json.dumps(body, ensure_ascii=False))}\n\n"
+    return line.encode("utf-8", "replace")

@@ -10,6 +10,7 @@ the budget of docs/operations.md ("Memory budget")."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 
@@ -36,13 +37,14 @@ async def _stream(http: httpx.AsyncClient, url: str, body: dict, leave_after: in
         if resp.status_code != 200:
             await resp.aread()
             return str(resp.status_code)
-        events, finished = 0, False
+        events, finished, last = 0, False, ""
         async for line in resp.aiter_lines():
             if not line.startswith("data:"):
                 continue
             if line == "data: [DONE]":
-                return "done" if finished else "no-finish"
+                return "done" if finished else f"no-finish: {body} -> {last[:400]}"
             events += 1
+            last = line
             finished = finished or '"finish_reason":"' in line.replace(" ", "")
             if leave_after is not None and events >= leave_after:
                 return "left"
@@ -80,6 +82,12 @@ async def _wave(base_url: str, model: str, rng: random.Random, size: int) -> lis
     ]
 
 
+def _warnings(log_dir: str) -> list[str]:
+    """The controller's last warnings and errors: what a failed soak shows of the server."""
+    with open(os.path.join(log_dir, "controller.log"), errors="replace") as f:
+        return [line[:500] for line in f if " WARNING " in line or " ERROR " in line][-20:]
+
+
 @pytest.fixture(scope="module")
 def soak_server(default_model_dir, tmp_path_factory):
     s = start_server(default_model_dir, str(tmp_path_factory.mktemp("soak")))
@@ -98,17 +106,20 @@ def test_soak_streams_with_random_disconnects(soak_server):
     rss_warm = rss_mib(s.controller.pid)
 
     outcomes: dict[str, int] = {}
+    examples: list[str] = []
     started, waves = time.monotonic(), 0
     while time.monotonic() - started < SOAK_SECONDS:
         for r in asyncio.run(_wave(s.base_url, s.model_name, rng, CONCURRENCY)):
             key = r.split(":")[0]
             outcomes[key] = outcomes.get(key, 0) + 1
+            if key not in ("done", "left", "cancelled") and len(examples) < 5:
+                examples.append(r)  # the request and what its stream said last
         waves += 1
     assert waves >= 1
     assert outcomes.get("done", 0) > CONCURRENCY // 2, outcomes
     assert outcomes.get("left", 0) > 0 and outcomes.get("cancelled", 0) > 0, outcomes
     bad = {k: v for k, v in outcomes.items() if k not in ("done", "left", "cancelled")}
-    assert not bad, outcomes
+    assert not bad, (outcomes, examples, _warnings(s.log_dir))
 
     assert_no_blocks_in_use(s)
     state = httpx.get(s.base_url + "/admin/executors", timeout=10).json()["admission"]

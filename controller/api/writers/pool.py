@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import os
 import socket
@@ -27,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from common.wire.step_types import TokenLogprobs
 from controller.api.errors import APIError, error_body
+from controller.api.sse import sse_line
 from controller.api.writers import frame as fr
 from controller.api.writers.meta import StreamMeta
 from controller.api.writers.worker import MAX_MESSAGE, receive
@@ -63,8 +63,7 @@ def error_event(item: Any) -> bytes:
         err = APIError(str(item), 503, code="no_healthy_executor")
     else:
         err = APIError(getattr(item, "error", "") or str(item), 500)
-    line = f"data: {json.dumps({'error': error_body(err)}, ensure_ascii=False)}\n\n"
-    return line.encode("utf-8", "replace")
+    return sse_line({"error": error_body(err)})
 
 
 class TokenSink:

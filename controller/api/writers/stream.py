@@ -3,7 +3,6 @@ per sequence, the chunk template and the bytes not yet written."""
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 
@@ -149,8 +148,7 @@ class WriterStream:
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())},
             },
         }
-        line = f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-        return line.encode("utf-8", "replace")
+        return sse_line(body)
 
     def chunk(self, seq: int, text: str, token_ids: list[int], reason: str | None) -> bytes:
         """The SSE event of one sequence's step, as the in-process path's `stream_bytes`

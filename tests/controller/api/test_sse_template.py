@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 
 import pytest
 
@@ -21,6 +22,7 @@ from controller.api.streaming import sse_line
 from controller.core.outputs import OutputDelta, absorb, own_copy
 
 TEXTS = ["", "a", " hello", 'q"uo\\te', "tab\tnl\n\r\x00\x1f", "é漢字🙂", "\ud800 lone", "</s>"]
+BREAKS = ["ls\u2028ps\u2029nel\x85", "\x0b\x0c\x1c\x1d\x1e", "\u2028"]  # str.splitlines breaks
 META = ResponseMeta(id='cmpl-"x\u00e9', created=1_700_000_000, model='m/é"odel')
 
 
@@ -38,7 +40,9 @@ def _formatters(return_token_ids: bool):
 
 
 def _deltas():
-    for text, finished, ids in itertools.product(TEXTS, (False, True), ([], [7], [7, 8, 9])):
+    for text, finished, ids in itertools.product(
+        TEXTS + BREAKS, (False, True), ([], [7], [7, 8, 9])
+    ):
         reason = "length" if finished else None
         yield OutputDelta("r", text=text, token_ids=ids, finished=finished, finish_reason=reason)
 
@@ -53,6 +57,26 @@ def test_templated_chunks_match_the_dict_path(return_token_ids, include_usage):
             body = fmt.stream_chunk(choice, d, first, include_usage)
             assert fast is not None
             assert fast == (b"" if body is None else sse_line(body)), (type(fmt), d)
+
+
+def test_every_event_is_one_line_for_a_splitlines_reader():
+    """Text holding U+2028, U+2029 or U+0085 (JSON leaves them raw) is escaped, so a client
+    that splits the stream with `str.splitlines` (httpx's `aiter_lines`) reads whole events
+    that still decode to the same text; the dict path and the template agree."""
+    for fmt in _formatters(False):
+        for text in BREAKS:
+            d = OutputDelta("r", text=text, token_ids=[7], finished=True, finish_reason="stop")
+            choice = Choice(index=0, prompt_index=0)
+            fast = fmt.stream_bytes(choice, d, False, False)
+            assert fast == sse_line(fmt.stream_chunk(choice, d, False, False))
+            lines = [x for x in fast.decode("utf-8").splitlines() if x]
+            assert len(lines) == 1, lines
+            body = json.loads(lines[0].removeprefix("data: "))
+            (item,) = body["choices"]
+            assert item.get("text", item.get("delta", {}).get("content")) == text
+            assert item["finish_reason"] == "stop"
+    event = sse_line({"error": {"message": "a\u2028b\x85"}}).decode("utf-8")
+    assert len([x for x in event.splitlines() if x]) == 1
 
 
 def test_logprobs_tools_and_echo_take_the_dict_path():
