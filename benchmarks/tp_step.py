@@ -127,8 +127,9 @@ def time_decode(runner: GPUModelRunner, batches: list[int], context: int) -> dic
     return out
 
 
-def measure(shape: str, size: int, batches: list[int], context: int) -> list[dict]:
-    """TP=1 and TP=size decode times on this host's device kind, with their ratio."""
+def measure(shape: str, size: int, batches: list[int], context: int, groups: list) -> list[dict]:
+    """TP=1 and TP=size decode times on this host's device kind, with their ratio; the rank
+    groups started are added to `groups`, for the caller to close."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda" and torch.cuda.device_count() < size:
         print(f"{torch.cuda.device_count()} CUDA device(s): TP={size} not measured")
@@ -144,7 +145,7 @@ def measure(shape: str, size: int, batches: list[int], context: int) -> list[dic
             runner = build_runner(path, device, n, max(batches), context)
             times[n] = time_decode(runner, batches, context)
             if runner.ranks is not None:
-                runner.ranks.close()
+                groups.append(runner.ranks)  # closed once the results are out (main)
             torch.set_num_threads(threads)
     return [
         {
@@ -167,7 +168,8 @@ def main(argv=None) -> None:
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batch_sizes.split(",")]
-    measured = measure(a.shape, a.tensor_parallel_size, batches, a.context)
+    groups: list = []
+    measured = measure(a.shape, a.tensor_parallel_size, batches, a.context, groups)
     modelled = traffic_table()
     if a.json:
         with open(a.json, "w") as f:
@@ -185,7 +187,16 @@ def main(argv=None) -> None:
     for r in modelled:
         links = " | ".join(f"{r[k]:.0f}" for k in LINKS)
         print(f"| {r['model']} | {r['step']} | {r['tp']} | {r['MB_per_rank']:.2f} | {links} |")
+    sys.stdout.flush()
+    for group in groups:
+        group.close()
 
 
 if __name__ == "__main__":
     main()
+    # The results are out and the followers gone. End without the interpreter's teardown:
+    # destroying torch's C++ state after a gloo group can abort on one of gloo's threads
+    # ("terminate called without an active exception"), as executor_gpu/follower.py notes.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

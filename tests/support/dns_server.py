@@ -20,12 +20,8 @@ class LocalDNSServer:
         self.records: dict[str, list[str]] = {}  # lower-case name -> IPv4 addresses
         self.truncate_over = truncate_over  # most A records in a UDP answer; 0 = no limit
         self.queries = 0  # questions answered
-        self._udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._udp.bind(("127.0.0.1", 0))
+        self._udp, self._tcp = _bind_pair()
         self.port = self._udp.getsockname()[1]
-        self._tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._tcp.bind(("127.0.0.1", self.port))
         self._tcp.listen(8)
         self._closed = False
         for target in (self._serve_udp, self._serve_tcp):
@@ -94,3 +90,22 @@ class LocalDNSServer:
         self._closed = True
         self._udp.close()
         self._tcp.close()
+
+
+def _bind_pair(tries: int = 50) -> tuple[socket.socket, socket.socket]:
+    """A UDP and a TCP socket bound to the same free port of 127.0.0.1. The kernel picks a
+    free UDP port; that port may be taken for TCP (another test's connection), so another is
+    tried until one is free for both."""
+    for _ in range(tries):
+        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        udp.bind(("127.0.0.1", 0))
+        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            tcp.bind(("127.0.0.1", udp.getsockname()[1]))
+        except OSError:
+            udp.close()
+            tcp.close()
+            continue
+        return udp, tcp
+    raise OSError(f"no port of 127.0.0.1 free for both UDP and TCP in {tries} tries")
