@@ -127,16 +127,16 @@ def time_decode(runner: GPUModelRunner, batches: list[int], context: int) -> dic
     return out
 
 
-def measure(shape: str, size: int, batches: list[int], context: int, groups: list) -> list[dict]:
-    """TP=1 and TP=size decode times on this host's device kind, with their ratio; the rank
-    groups started are added to `groups`, for the caller to close."""
+def measure(shape: str, size: int, batches: list[int], context: int) -> tuple[list[dict], list]:
+    """TP=1 and TP=size decode times on this host's device kind, with their ratio; and the
+    rank groups started, for the caller to close once the results are out."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda" and torch.cuda.device_count() < size:
         print(f"{torch.cuda.device_count()} CUDA device(s): TP={size} not measured")
         sizes = [1]
     else:
         sizes = [1, size]
-    times = {}
+    times, groups = {}, []
     with tempfile.TemporaryDirectory() as path:
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(config_json(SHAPES[shape]), f)
@@ -145,9 +145,9 @@ def measure(shape: str, size: int, batches: list[int], context: int, groups: lis
             runner = build_runner(path, device, n, max(batches), context)
             times[n] = time_decode(runner, batches, context)
             if runner.ranks is not None:
-                groups.append(runner.ranks)  # closed once the results are out (main)
+                groups.append(runner.ranks)
             torch.set_num_threads(threads)
-    return [
+    measured = [
         {
             "batch": b,
             "context": context,
@@ -157,6 +157,7 @@ def measure(shape: str, size: int, batches: list[int], context: int, groups: lis
         }
         for b in batches
     ]
+    return measured, groups
 
 
 def main(argv=None) -> None:
@@ -168,8 +169,7 @@ def main(argv=None) -> None:
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     batches = [int(b) for b in a.batch_sizes.split(",")]
-    groups: list = []
-    measured = measure(a.shape, a.tensor_parallel_size, batches, a.context, groups)
+    measured, groups = measure(a.shape, a.tensor_parallel_size, batches, a.context)
     modelled = traffic_table()
     if a.json:
         with open(a.json, "w") as f:
