@@ -28,10 +28,8 @@ def one_line(encoded: str) -> str:
 
 
 def json_string(text: str) -> str:
-    """A JSON string literal of `text` that is one line for every reader (`one_line` inlined:
-    this runs per streamed chunk)."""
-    s = encode_basestring(text)
-    return s if s.isascii() else s.translate(_RAW_BREAKS)
+    """A JSON string literal of `text` that is one line for every reader."""
+    return one_line(encode_basestring(text))
 
 
 class ChunkTemplate:
