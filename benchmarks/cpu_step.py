@@ -50,6 +50,7 @@ from common.wire.step_types import (  # noqa: E402
     NewRequestData,
     SamplingParams,
     StepInput,
+    StepOutput,
 )
 from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
 from tests.support.processes import model_dir  # noqa: E402
@@ -79,9 +80,30 @@ def build_runner(
     return runner
 
 
+def _checked(output: StepOutput, requests: int) -> None:
+    """Raise unless the step ran and sampled every one of its ``requests``."""
+    errors = [o.error for o in output.outputs if o.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed in the step: {errors[0]}")
+    sampled = (
+        [t for t in output.sampled_token_ids if t >= 0]
+        if output.sampled_token_ids is not None
+        else [o for o in output.outputs if o.sampled_token_id is not None]
+    )
+    if len(sampled) != requests:
+        raise RuntimeError(f"the step sampled {len(sampled)} of its {requests} requests")
+
+
 def prefill(runner: GPUModelRunner, batch: int, context: int, blocks_each: int) -> float:
-    """Start ``batch`` requests with ``context`` prompt tokens in one step; its seconds."""
+    """Start ``batch`` requests with ``context`` prompt tokens; the seconds their steps took.
+
+    As many requests per step as the runner's step limits take (a step over them would fail
+    its extra requests, and the decode steps would then run a smaller batch than asked)."""
     runner.reset()
+    limits = runner.step_limits()
+    per_step = max(1, min(limits.max_num_seqs, limits.max_tokens_per_step // context))
+    if context > limits.max_tokens_per_step:
+        raise ValueError(f"--context over the step limit of {limits.max_tokens_per_step}")
     new = [
         NewRequestData(
             f"r{i}",
@@ -94,17 +116,24 @@ def prefill(runner: GPUModelRunner, batch: int, context: int, blocks_each: int) 
         )
         for i in range(batch)
     ]
-    started = time.perf_counter()
-    runner.execute_model(StepInput(0, new_requests=new))
-    return time.perf_counter() - started
+    seconds = 0.0
+    for first in range(0, batch, per_step):
+        chunk = new[first : first + per_step]
+        started = time.perf_counter()
+        output = runner.execute_model(StepInput(first, new_requests=chunk))
+        seconds += time.perf_counter() - started
+        _checked(output, len(chunk))
+    return seconds
 
 
 def decode(runner: GPUModelRunner, batch: int, context: int, step: int) -> float:
     """One decode step of every request (its ``step``-th); its seconds."""
     cached = [CachedRequestData(f"r{i}", [], context + step - 1, 1) for i in range(batch)]
     started = time.perf_counter()
-    runner.execute_model(StepInput(step, cached_requests=cached))
-    return time.perf_counter() - started
+    output = runner.execute_model(StepInput(batch + step, cached_requests=cached))
+    seconds = time.perf_counter() - started
+    _checked(output, batch)
+    return seconds
 
 
 def cpu_ms(fn, repeats: int = 7) -> float:

@@ -20,6 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &tandem::packed_linear, "x @ weight (+ bias), weight packed",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"));
   m.attr("PANEL") = tandem::kPanel;
+  m.def("task_pool_stats", &tandem::task_pool_stats,
+        "[helper threads started, jobs offered to helpers, helper runs of those jobs]");
   m.def("rms_norm", &tandem::rms_norm, "RMSNorm of the rows of x times weight");
   m.def("add_rms_norm_", &tandem::add_rms_norm_,
         "residual += x in place, then RMSNorm of residual times weight");

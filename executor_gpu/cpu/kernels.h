@@ -139,6 +139,14 @@ torch::Tensor pack_linear_weight(torch::Tensor weight, bool pairs);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed,
                             std::optional<torch::Tensor> bias);
 
+// Runs `worker` on the calling thread and on up to workers - 1 helper threads (at most torch's
+// thread count in all), returning once every thread that ran it has returned (task_pool.cpp).
+// How many threads run it is not fixed: `worker` claims its work from a counter it shares with
+// the others and returns when none is left.
+void run_workers(int64_t workers, c10::function_ref<void()> worker);
+// [helper threads started, jobs offered to helpers, helper runs of those jobs].
+std::vector<int64_t> task_pool_stats();
+
 // Per-layer elementwise math of the model (layer_ops.cpp).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,

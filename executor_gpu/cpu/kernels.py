@@ -30,6 +30,7 @@ _SOURCES = [
         "layer_ops.cpp",
         "packed_linear.cpp",
         "decoder_stack.cpp",
+        "task_pool.cpp",
     )
 ]
 # -fopenmp: at::parallel_for splits work over torch's OpenMP team (without it, it runs on one

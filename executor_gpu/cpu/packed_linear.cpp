@@ -21,7 +21,7 @@
 // float32 and each output is rounded to bf16 once, as the reference's GEMM does.
 #include "kernels.h"
 
-#include <ATen/Parallel.h>
+#include <atomic>
 #include <immintrin.h>
 
 namespace tandem {
@@ -160,14 +160,19 @@ void run_panels(const std::array<std::array<TileFn<X, T>, kRowTile>, 4>& tiles,
                 T* op, int64_t rows, int64_t depth, int64_t panels) {
   const int64_t steps = depth * kLinesPerRow<T> / lines_per_step;  // along the depth
   const int64_t width = panels * kPanel;
-  // Row ranges of equal size (whole tiles), at most kRowsPerTask rows each: the threads split
-  // the tasks evenly, so unequal ranges would leave one thread waiting for the other.
+  // Row ranges of equal size (whole tiles), at most kRowsPerTask rows each, so that tasks take
+  // about equally long and the last one claimed leaves the other threads waiting least.
   const int64_t row_tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
   const int64_t range = ((rows + row_tasks - 1) / row_tasks + kRowTile - 1) / kRowTile * kRowTile;
-  // Tasks: (row range, panel), row-range-major: a thread keeps its rows in cache and streams
-  // panels past them; a decode step is one row range, split by panel.
-  at::parallel_for(0, panels * row_tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
+  // Tasks: (row range, panel), row-range-major, claimed one at a time from a shared counter
+  // (run_workers) so that a thread the OS has paused (the controller shares these cores) delays
+  // only the task it holds. Each thread claims its next task before running the current one, so
+  // it knows which panel to prefetch.
+  const int64_t total = panels * row_tasks;
+  std::atomic<int64_t> claimed{0};
+  run_workers(total, [&] {
+    for (int64_t task = claimed.fetch_add(1), following; task < total; task = following) {
+      following = claimed.fetch_add(1);
       const int64_t p = task % panels;
       const int64_t first = (task / panels) * range;
       const int64_t last = std::min(rows, first + range);
@@ -178,8 +183,8 @@ void run_panels(const std::array<std::array<TileFn<X, T>, kRowTile>, 4>& tiles,
       const int64_t sharing = std::min(tiles_n, lines_per_step);
       const int lines = static_cast<int>((lines_per_step + sharing - 1) / sharing);  // 4, 2, 1
       const char* next =
-          task + 1 < end
-              ? reinterpret_cast<const char*>(wp + ((task + 1) % panels) * depth * kPanel)
+          following < total
+              ? reinterpret_cast<const char*>(wp + (following % panels) * depth * kPanel)
               : nullptr;
       for (int64_t r = first, i = 0; r < last; r += kRowTile, ++i) {
         const int n = static_cast<int>(std::min<int64_t>(kRowTile, last - r));

@@ -299,8 +299,7 @@ torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> 
                                     ? kGroupKernels<T, true>[dim / kLanes - 1]
                                     : kGroupKernels<T, false>[dim / kLanes - 1];
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks.size());
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  run_workers(static_cast<int64_t>(tasks.size()), [&] {
     Scratch<T> scratch(max_len, value_offset);
     int64_t listed = -1;  // the request whose key rows scratch.keys holds
     for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(tasks.size());
