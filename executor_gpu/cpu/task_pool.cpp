@@ -75,21 +75,22 @@ class TaskPool {
 
   void grow(int64_t helpers) {
     while (started_ < helpers) {
-      std::thread(&TaskPool::serve, this).detach();
+      // Jobs from the next one on are the new helper's (seq_ is even: none is open).
+      std::thread(&TaskPool::serve, this, seq_.load(std::memory_order_relaxed) - 1).detach();
       ++started_;
     }
   }
 
-  // A helper: waits for an open job it has not run, runs it if still open, forever.
-  void serve() {
+  // A helper: waits for an open job newer than `done`, runs it if still open, forever.
+  void serve(uint32_t done) {
     in_worker_ = true;  // kernels called from a worker run inline
-    uint32_t done = seq_.load(std::memory_order_acquire) | 1u;  // no job before this one
     for (;;) {
       const uint32_t seen = wait_for_job(done);
       done = seen;
       inside_.fetch_add(1, std::memory_order_seq_cst);
+      const int64_t wanted = wanted_.load(std::memory_order_relaxed);
       if (seq_.load(std::memory_order_seq_cst) == seen &&
-          joined_.fetch_add(1, std::memory_order_relaxed) < wanted_.load(std::memory_order_relaxed)) {
+          joined_.fetch_add(1, std::memory_order_relaxed) < wanted) {
         (*worker_)();
         helped_.fetch_add(1, std::memory_order_relaxed);
       }
