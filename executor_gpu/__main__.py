@@ -2,16 +2,14 @@
 
 import os
 
-# CPU steps run OpenMP parallel regions back to back; threads that spin between them stall
-# whenever another process (a controller, a load generator) takes a core for a moment, which
-# made colocated serving ~1.5x slower here. Waiting passively costs ~8% alone and wins
-# overall; bounded spinning does not help either: bf16 decode steps on 2 threads of a loaded
-# 2-core machine took 22 / 72 / 85 ms (batch 1 / 16 / 64) passive, 379 / 606 / 493 ms with
-# OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=10000 and 1546 / 3007 / 2125 ms with libgomp's default
-# (benchmarks/README.md, 2026-12-02). On an EPYC host passive waiting costs more (alone, a step
-# takes 0.6x the time with GOMP_SPINCOUNT=1000), yet served with a controller and clients on the
-# same 2 cores that spin was 0.90-0.93x as fast (benchmarks/README.md, 2026-12-03): passive
-# stays. Set before torch loads OpenMP; an explicit setting is kept. (No effect on CUDA.)
+# The CPU kernels' linear layers and attention run on a task pool of their own
+# (executor_gpu/cpu/task_pool.cpp) whose caller never waits for a sleeping helper; OpenMP still
+# runs torch's operators and the layer ops at prefill sizes. Threads that spin between OpenMP
+# regions stall whenever another process (a controller, a load generator) takes a core for a
+# moment, which made colocated serving ~1.5x slower on the 2-core development machine; on an
+# EPYC host a short spin (GOMP_SPINCOUNT=1000) served 0.90-0.93x as fast (benchmarks/README.md,
+# 2026-12-03): passive stays. Set before torch loads OpenMP; an explicit setting is kept. (No
+# effect on CUDA.)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from common.host.server import prepare_model, serve  # noqa: E402

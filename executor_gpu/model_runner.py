@@ -201,8 +201,12 @@ class GPUModelRunner(TorchModelRunner):
             decode_logits = None
         # Per request: did any of its tokens produce a non-finite hidden state? (A sum is
         # finite exactly when every term is.)
-        row_sums = torch.zeros(len(rows), dtype=torch.float32, device=self.device)
-        row_sums.index_add_(0, batch.token_rows, hidden.float().sum(dim=-1))
+        token_sums = hidden.sum(dim=-1, dtype=torch.float32)
+        if batch.attn.num_decodes == len(rows):  # one token per row, in the rows' order
+            row_sums = token_sums
+        else:
+            row_sums = torch.zeros(len(rows), dtype=torch.float32, device=self.device)
+            row_sums.index_add_(0, batch.token_rows, token_sums)
         results = RowResults.empty(len(rows))
         if meta is not None:
             logits = (
@@ -213,7 +217,8 @@ class GPUModelRunner(TorchModelRunner):
             logits_ok = logits.sum(dim=-1).isfinite()
             # Zero non-finite rows to keep the batch sane (on the CPU, only when there are any:
             # the check is cheap there, rewriting [S, vocab] is not).
-            if self.device.type != "cpu" or not bool(logits_ok.all()):
+            all_ok = self.device.type == "cpu" and bool(logits_ok.all())
+            if not all_ok:
                 logits = logits.masked_fill(~logits_ok[:, None], 0.0)
             result = self.sampler(logits, meta)
             token_lps = (
@@ -225,7 +230,8 @@ class GPUModelRunner(TorchModelRunner):
                 zip(batch.sample_rows, result.sampled_token_ids.tolist())
             ):
                 results.sampled[i], results.logprobs[i] = token, token_lps[j]
-            row_sums[batch.sample_rows] += torch.where(logits_ok, 0.0, float("nan"))
+            if not all_ok:  # mark the rows whose logits were not finite as failed
+                row_sums[batch.sample_rows] += torch.where(logits_ok, 0.0, float("nan"))
         results.failed = {i for i, ok in enumerate(row_sums.isfinite().tolist()) if not ok}
         if batch.prompt_lp_rows:
             for i, lps in self._prompt_logprobs(hidden, batch).items():

@@ -267,6 +267,42 @@ def test_request_errors_stay_isolated(runner, prompts, monkeypatch):
 
 
 @needs_model
+def test_a_non_finite_hidden_state_fails_its_request_alone(runner, prompts, monkeypatch):
+    """In a decode step (one token per row) and in a step mixing a prompt with a decode."""
+    for case, lens in (("decode", (1, 1)), ("mixed", (1, 3))):
+        runner.reset()
+        starts = [
+            NewRequestData(f"{case}{i}", prompts[i][:4], [], SamplingParams(), [1 + i], 0, 4)
+            for i in range(2)
+        ]
+        runner.execute_model(StepInput(0, new_requests=starts))
+        real = runner.model.forward
+
+        def poisoned(*args, real=real, row=lens[0], **kwargs):
+            hidden = real(*args, **kwargs)
+            hidden[row] = float("nan")  # the second request's (first) token
+            return hidden
+
+        monkeypatch.setattr(runner.model, "forward", poisoned)
+        if case == "decode":
+            step = StepInput(
+                1, cached_requests=[CachedRequestData(r.request_id, [], 4, 1) for r in starts]
+            )
+        else:  # the first request decodes, a new one prefills 3 tokens
+            third = NewRequestData("mixed2", prompts[2][:3], [], SamplingParams(), [3], 0, 3)
+            step = StepInput(
+                1,
+                new_requests=[third],
+                cached_requests=[CachedRequestData(starts[0].request_id, [], 4, 1)],
+            )
+        out = runner.execute_model(step)
+        monkeypatch.undo()
+        failed = {o.request_id for o in out.outputs if o.error}
+        assert len(failed) == 1, (case, out.outputs)
+        assert len([o for o in out.outputs if o.sampled_token_id is not None]) == 1
+
+
+@needs_model
 def test_dummy_and_profile_runs_keep_no_state(runner):
     runner.reset()
     runner.dummy_run(40, 4)
