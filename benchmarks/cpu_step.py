@@ -8,7 +8,9 @@ alternating between variants so that a shared machine's noise falls on all of th
 - ``packed``: everything, linear layers on the packed-panel kernel (what the executor runs);
 - ``packed_fma``: ``packed`` with bf16's linear layers on the float32-FMA fallback
   (``TANDEM_CPU_BF16_DOT=0``) instead of the AVX-512 bf16 dot products (same as ``packed`` in
-  float32, or on a CPU without them).
+  float32, or on a CPU without them);
+- ``packed_torch_scan``: ``packed`` with the logits' finiteness check and greedy argmax in
+  torch (two single-threaded passes) instead of the kernels' one-pass scan.
 
 With ``--dtype float32,bfloat16`` each variant runs in each dtype (bf16 weights, activations
 and KV cache; labels ``packed-bf16`` etc.), so that one run gives bf16's throughput as a ratio
@@ -55,7 +57,7 @@ from common.wire.step_types import (  # noqa: E402
 from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
 from tests.support.processes import model_dir  # noqa: E402
 
-VARIANTS = ("torch", "fused", "packed")  # the default set; packed_fma on request
+VARIANTS = ("torch", "fused", "packed")  # the default set; the others on request
 
 
 def build_runner(
@@ -75,6 +77,8 @@ def build_runner(
         runner.fused_ops = dataclasses.replace(
             runner.fused_ops, prepare_linear=lambda weight: weight
         )
+    if variant == "packed_torch_scan":
+        runner.scan_logits = None
     runner.load_model()
     runner.initialize_kv_cache(num_blocks)
     return runner
@@ -199,6 +203,12 @@ def kernel_times(model: str, batch: int, context: int, dtype: torch.dtype, hot: 
     )
     embedding = weight(hidden, cfg["vocab_size"])
     times["logits"] = cpu_ms(lambda: m.packed_linear(x, embedding, None).float())
+    logits = m.packed_linear(x, embedding, None).float()
+    times["logits_scan"] = cpu_ms(lambda: m.scan_logits(logits))
+    # What the scan replaced (not part of the step, so not in the total): torch's two passes.
+    times["logits_scan_torch"] = cpu_ms(
+        lambda: (logits.sum(dim=-1).isfinite(), logits.argmax(dim=-1))
+    )
     return times
 
 
@@ -211,7 +221,8 @@ def run_kernel_times(a: argparse.Namespace, sizes: list[int], dtypes: list[str])
             t = kernel_times(a.model, batch, a.context, getattr(torch, d), a.hot)
             results.append({"dtype": d, "batch": batch, "context": a.context, "cpu_ms": t})
             cells = " ".join(f"{k} {v:.1f}" for k, v in t.items())
-            print(f"{d:>9} batch {batch:>3}: total {sum(t.values()):6.1f} ms | {cells}")
+            total = sum(v for k, v in t.items() if not k.endswith("_torch"))
+            print(f"{d:>9} batch {batch:>3}: total {total:6.1f} ms | {cells}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"kernel_times": results, "hot": a.hot}, f, indent=1)

@@ -86,6 +86,7 @@ class GPUModelRunner(TorchModelRunner):
         self.fused_ops = None  # the device's fused layer ops, where it has them
         self.stack_forward_of = None  # builds the model's one-call decoder stack, where it has one
         self.graphs: DecodeGraphs | None = None  # decode replay, set up by capture_model
+        self.scan_logits = None  # float32 logits -> (argmax, finite) per row in one pass (CPU)
         if self.device.type == "cuda" and self._cuda_kernels_apply():
             try:
                 from executor_gpu.cuda import triton_attention, triton_layer_ops
@@ -105,6 +106,7 @@ class GPUModelRunner(TorchModelRunner):
                 self.attention_backend = cpu_attention.BACKEND_NAME
                 self.fused_ops = cpu_layer_ops.layer_ops()
                 self.stack_forward_of = cpu_decoder_stack.stack_forward_of
+                self.scan_logits = cpu_kernels.load_kernels().scan_logits
 
     def _cuda_kernels_apply(self) -> bool:
         """Whether the Triton kernels serve: they read a cache of the model's dtype; another
@@ -214,13 +216,21 @@ class GPUModelRunner(TorchModelRunner):
                 if decode_logits is not None
                 else self.model.compute_logits(hidden[batch.logits_indices])
             )
-            logits_ok = logits.sum(dim=-1).isfinite()
+            argmax = None
+            if (
+                self.scan_logits is not None
+                and logits.dtype == torch.float32
+                and logits.stride(-1) == 1
+            ):
+                argmax, logits_ok = self.scan_logits(logits)
+            else:
+                logits_ok = logits.sum(dim=-1).isfinite()
             # Zero non-finite rows to keep the batch sane (on the CPU, only when there are any:
             # the check is cheap there, rewriting [S, vocab] is not).
             all_ok = self.device.type == "cpu" and bool(logits_ok.all())
             if not all_ok:
                 logits = logits.masked_fill(~logits_ok[:, None], 0.0)
-            result = self.sampler(logits, meta)
+            result = self.sampler(logits, meta, argmax if all_ok else None)
             token_lps = (
                 result.logprobs.to_token_logprobs(meta.num_logprobs)
                 if result.logprobs is not None

@@ -334,8 +334,12 @@ class Sampler:
         """Restart the unseeded-row noise from ``seed``."""
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Sample one token per row of float32 ``logits`` [S, V]."""
+    def __call__(
+        self, logits: torch.Tensor, meta: SamplingMetadata, argmax: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """Sample one token per row of float32 ``logits`` [S, V]; ``argmax`` [S] is each row's
+        argmax where the caller has it already (taken only while nothing changed the logits)."""
+        given = logits
         if meta.masks is not None:  # structured output first: the constrained distribution
             logits = apply_token_masks(logits, meta.mask_rows, meta.masks)
         raw = logits
@@ -346,12 +350,15 @@ class Sampler:
             logits[meta.suppress_rows, meta.suppress_ids] = float("-inf")
             if meta.masks is not None:  # ... unless the grammar allows nothing else
                 logits = keep_some_token(logits, kept)
+        if logits is not given:  # masks, penalties or suppression: the caller's argmax is stale
+            argmax = None
         if meta.greedy_rows is not None and not meta.random_groups:
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax if argmax is not None else logits.argmax(dim=-1)
         else:
             sampled = torch.empty(meta.num_rows, dtype=torch.int64, device=logits.device)
             if meta.greedy_rows is not None:
-                sampled[meta.greedy_rows] = logits[meta.greedy_rows].argmax(dim=-1)
+                g = meta.greedy_rows
+                sampled[g] = argmax[g] if argmax is not None else logits[g].argmax(dim=-1)
             finite = meta.masks is not None
             for group in meta.random_groups:
                 sampled[group.rows] = self._sample_group(logits[group.rows], group, finite)

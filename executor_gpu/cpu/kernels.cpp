@@ -22,6 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("PANEL") = tandem::kPanel;
   m.def("task_pool_stats", &tandem::task_pool_stats,
         "[helper threads started, jobs offered to helpers, helper runs of those jobs]");
+  m.def("scan_logits", &tandem::scan_logits,
+        "(argmax int64 [rows], finite bool [rows]) of float32 logits [rows, vocab] in one pass");
   m.def("rms_norm", &tandem::rms_norm, "RMSNorm of the rows of x times weight");
   m.def("add_rms_norm_", &tandem::add_rms_norm_,
         "residual += x in place, then RMSNorm of residual times weight");

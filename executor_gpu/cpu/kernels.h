@@ -147,6 +147,10 @@ void run_workers(int64_t workers, c10::function_ref<void()> worker);
 // [helper threads started, jobs offered to helpers, helper runs of those jobs].
 std::vector<int64_t> task_pool_stats();
 
+// Each row's argmax (torch's: the first maximum) and whether every value in it is finite, for
+// float32 logits [rows, vocab], in one read (logits_scan.cpp).
+std::tuple<torch::Tensor, torch::Tensor> scan_logits(torch::Tensor logits);
+
 // Per-layer elementwise math of the model (layer_ops.cpp).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,

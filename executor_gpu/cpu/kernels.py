@@ -31,6 +31,7 @@ _SOURCES = [
         "packed_linear.cpp",
         "decoder_stack.cpp",
         "task_pool.cpp",
+        "logits_scan.cpp",
     )
 ]
 # -fopenmp: at::parallel_for splits work over torch's OpenMP team (without it, it runs on one

@@ -286,3 +286,30 @@ def test_min_tokens_suppresses_stop_ids_until_reached():
     out = Sampler(0)(logits, meta).sampled_token_ids.tolist()
     assert out[0] != best[0] and out[0] == logits[0].topk(2).indices[1].item()
     assert out[1:] == best[1:]
+
+
+def test_a_given_argmax_is_taken_only_while_the_logits_are_unchanged():
+    logits = _logits(4, seed=7)
+    given = (logits.argmax(dim=-1) + 1) % V  # deliberately not the argmax: shows which is used
+    plain = [SamplingParams(), SamplingParams(temperature=1.0, seed=1)] * 2
+    meta = build_sampling_metadata(plain, [10] * 4, [[]] * 4, [[]] * 4, V, "cpu")
+    out = Sampler(0)(logits, meta, given).sampled_token_ids
+    assert out[0] == given[0] and out[2] == given[2]  # greedy rows: the caller's argmax
+    changed = [
+        [SamplingParams(repetition_penalty=1.5)] + [SamplingParams()] * 3,  # penalties
+        [SamplingParams(min_tokens=3, stop_token_ids=[0])] + [SamplingParams()] * 3,
+    ]
+    for params in changed:
+        out_ids = [[1, 2]] + [[]] * 3
+        meta = build_sampling_metadata(
+            params, [10] * 4, [[]] * 4, out_ids, V, "cpu", num_outputs=[1, 0, 0, 0]
+        )
+        assert meta.penalty_rows is not None or meta.suppress_rows is not None
+        expected = Sampler(0)(logits, meta).sampled_token_ids
+        assert torch.equal(Sampler(0)(logits, meta, given).sampled_token_ids, expected)
+    allowed = bytes([0b1010, 0, 0, 0])  # tokens 1 and 3 (a 32-token vocabulary: 4 bytes)
+    meta = build_sampling_metadata(
+        [SamplingParams()] * 4, [10] * 4, [[]] * 4, [[]] * 4, V, "cpu", masks=[allowed] * 4
+    )
+    out = Sampler(0)(logits, meta, given).sampled_token_ids
+    assert set(out.tolist()) <= {1, 3}

@@ -15,14 +15,6 @@ from tests.executor_gpu.paged_cases import step_meta
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="no C++ toolchain for the kernels")
 
 
-@pytest.fixture
-def threads():
-    """Set torch's thread count for a test; restored after it."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
 def _weights(dtype: torch.dtype, depth: int, width: int, seed: int):
     m = load_kernels()
     g = torch.Generator().manual_seed(seed)
