@@ -216,12 +216,8 @@ class GPUModelRunner(TorchModelRunner):
                 if decode_logits is not None
                 else self.model.compute_logits(hidden[batch.logits_indices])
             )
-            argmax = None
-            if (
-                self.scan_logits is not None
-                and logits.dtype == torch.float32
-                and logits.stride(-1) == 1
-            ):
+            argmax = None  # float32 [S, vocab] by compute_logits' contract, as the scan reads
+            if self.scan_logits is not None:
                 argmax, logits_ok = self.scan_logits(logits)
             else:
                 logits_ok = logits.sum(dim=-1).isfinite()

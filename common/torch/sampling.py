@@ -12,7 +12,7 @@ All rows of a step are sampled together. Order of operations per row:
    logits divided, negative multiplied), then frequency and presence over generated tokens;
    then min_tokens' suppression of stop ids, which a mask overrides when it would leave a
    constrained row no token at all (the grammar allows only a stop);
-4. greedy rows (temperature 0) take the argmax;
+4. greedy rows (temperature 0) take the argmax (the caller's, if it has it and 1-3 changed nothing);
 5. random rows: divide by temperature, keep the top_k best, then the smallest top_p nucleus
    (of the top-k distribution), then drop tokens whose probability is below min_p times the
    best one; sample by the exponential race ``argmax(probs / E)``, ``E ~ Exp(1)`` per token.
@@ -350,8 +350,7 @@ class Sampler:
             logits[meta.suppress_rows, meta.suppress_ids] = float("-inf")
             if meta.masks is not None:  # ... unless the grammar allows nothing else
                 logits = keep_some_token(logits, kept)
-        if logits is not given:  # masks, penalties or suppression: the caller's argmax is stale
-            argmax = None
+        argmax = argmax if logits is given else None  # masks, penalties, suppression: stale
         if meta.greedy_rows is not None and not meta.random_groups:
             sampled = argmax if argmax is not None else logits.argmax(dim=-1)
         else:
