@@ -28,8 +28,15 @@ namespace tandem {
 #define PREFER_512
 #endif
 
+constexpr int kRegisterVecs = 16;  // vectors of queries / accumulators held per pass
+constexpr int kMaxPassHeads = 4;   // query heads attended together in one pass
 constexpr int64_t kPrefetchTokens = 32;  // how far ahead the key loop asks for the next keys
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Query heads of kVecs vectors attended together in one pass.
+constexpr int pass_heads(int kVecs) {
+  return std::min(kMaxPassHeads, std::max(1, kRegisterVecs / kVecs));
+}
 
 // Lane i of the result is the sum of the lanes of p[kBitReversed[i]]: a transposing tree of
 // shuffles and adds (30 shuffles and 15 adds for 16 sums instead of 16 separate reductions).
@@ -71,17 +78,63 @@ inline void prefetch_key_and_value(const T* const* keys, int64_t t, int64_t len,
 }
 
 // The n (<= kLanes) keys' partial dot products in parts (head h's at h * kLanes + kBitReversed
-// [j]) summed, scaled, and stored at scores (row stride `stride`); lanes past n are -inf.
-template <int kHeads>
-PREFER_512 inline void store_scores(Vec* parts, int64_t n, float scale, float* scores,
-                                    int64_t stride) {
+// [j]) summed, scaled, and stored at scores (row stride `stride`) for `heads` heads; lanes past
+// n are -inf.
+PREFER_512 inline void store_scores(Vec* parts, int64_t heads, int64_t n, float scale,
+                                    float* scores, int64_t stride) {
   for (int64_t j = n; j < kLanes; ++j)
-    for (int h = 0; h < kHeads; ++h) parts[h * kLanes + kBitReversed[j]] = Vec{};
-  for (int h = 0; h < kHeads; ++h) {
+    for (int64_t h = 0; h < heads; ++h) parts[h * kLanes + kBitReversed[j]] = Vec{};
+  for (int64_t h = 0; h < heads; ++h) {
     Vec sums = sum_lanes(parts + h * kLanes) * scale;
     for (int64_t j = n; j < kLanes; ++j) sums[j] = kNegInf;
     *reinterpret_cast<UVec*>(scores + h * stride) = sums;
   }
+}
+
+// Softmax numerators of `heads` rows of scores (row stride `stride`, len scores each, -inf up
+// to the next multiple of kLanes) in place, in float32 with the maximum subtracted (as SDPA
+// does); inv_total[h] is 1 / the sum of row h, which divides the output at the end.
+PREFER_512 inline void softmax_rows(float* scores, int64_t stride, int64_t heads, int64_t len,
+                                    float* inv_total) {
+  const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* row = scores + h * stride;
+    Vec top = *reinterpret_cast<const UVec*>(row);
+    for (int64_t t = kLanes; t < padded; t += kLanes) {
+      const Vec x = *reinterpret_cast<const UVec*>(row + t);
+      top = x > top ? x : top;
+    }
+    float m = top[0];
+    for (int i = 1; i < kLanes; ++i) m = top[i] > m ? top[i] : m;
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < padded; ++t) {
+      row[t] = exp_approx(row[t] - m);  // padding: e^-inf = 0
+      total += row[t];
+    }
+    inv_total[h] = 1.f / total;
+  }
+}
+
+typedef uint32_t UIVec __attribute__((vector_size(kLanes * sizeof(uint32_t)), aligned(4)));
+
+// 32 bf16 values at p as two float32 vectors: the even-indexed values and the odd ones.
+inline void load_bf16_pairs(const Bf16* p, Vec& even, Vec& odd) {
+  const IVec w = *reinterpret_cast<const UIVec*>(p);
+  const IVec lo = w << 16, hi = w & 0xFFFF0000u;
+  even = reinterpret_cast<const Vec&>(lo);
+  odd = reinterpret_cast<const Vec&>(hi);
+}
+
+// The inverse of load_bf16_pairs for e * scale and o * scale, each rounded to nearest-even as
+// store_vec does.
+inline void store_bf16_pairs(Bf16* p, Vec e, Vec o, float scale) {
+  e *= scale;
+  o *= scale;
+  IVec lo = reinterpret_cast<const IVec&>(e), hi = reinterpret_cast<const IVec&>(o);
+  lo += 0x7FFFu + ((lo >> 16) & 1u);
+  hi += 0x7FFFu + ((hi >> 16) & 1u);
+  *reinterpret_cast<UIVec*>(p) = (lo >> 16) | (hi & 0xFFFF0000u);
 }
 
 // The scores of kHeads bf16 query heads (kVecs vectors each, kVecs even) against the keys, with
@@ -109,7 +162,7 @@ void score_keys_dot(const Bf16* q, const Bf16* const* keys, int64_t len, float s
         parts[h * kLanes + kBitReversed[j]] = reinterpret_cast<const Vec&>(dot);
       }
     }
-    store_scores<kHeads>(parts, n, scale, scores + t0, stride);
+    store_scores(parts, kHeads, n, scale, scores + t0, stride);
   }
 }
 
@@ -120,19 +173,13 @@ template <int kVecs, int kHeads>
 PREFER_512 void weigh_values_bf16(const Bf16* const* keys, int64_t value_offset, int64_t len,
                                   const float* scores, int64_t stride, const float* inv_total,
                                   Bf16* out) {
-  typedef uint32_t UIVec __attribute__((vector_size(kLanes * sizeof(uint32_t)), aligned(4)));
   constexpr int kPairs = kVecs / 2;
   constexpr int64_t dim = kVecs * kLanes;
   Vec acc[kHeads][kVecs] = {};
   for (int64_t t = 0; t < len; ++t) {
     const Bf16* vp = keys[t] + value_offset;
     Vec even[kPairs], odd[kPairs];
-    for (int u = 0; u < kPairs; ++u) {
-      const IVec w = *reinterpret_cast<const UIVec*>(vp + u * 2 * kLanes);
-      const IVec lo = w << 16, hi = w & 0xFFFF0000u;
-      even[u] = reinterpret_cast<const Vec&>(lo);
-      odd[u] = reinterpret_cast<const Vec&>(hi);
-    }
+    for (int u = 0; u < kPairs; ++u) load_bf16_pairs(vp + u * 2 * kLanes, even[u], odd[u]);
     for (int h = 0; h < kHeads; ++h) {
       const float p = scores[h * stride + t];
       for (int u = 0; u < kPairs; ++u) {
@@ -142,13 +189,34 @@ PREFER_512 void weigh_values_bf16(const Bf16* const* keys, int64_t value_offset,
     }
   }
   for (int h = 0; h < kHeads; ++h)
-    for (int u = 0; u < kPairs; ++u) {  // round each to nearest-even, as store_vec does
-      const Vec e = acc[h][2 * u] * inv_total[h], o = acc[h][2 * u + 1] * inv_total[h];
-      IVec lo = reinterpret_cast<const IVec&>(e), hi = reinterpret_cast<const IVec&>(o);
-      lo += 0x7FFFu + ((lo >> 16) & 1u);
-      hi += 0x7FFFu + ((hi >> 16) & 1u);
-      *reinterpret_cast<UIVec*>(out + h * dim + u * 2 * kLanes) = (lo >> 16) | (hi & 0xFFFF0000u);
+    for (int u = 0; u < kPairs; ++u)
+      store_bf16_pairs(out + h * dim + u * 2 * kLanes, acc[h][2 * u], acc[h][2 * u + 1],
+                       inv_total[h]);
+}
+
+// out (the kHeads heads' rows) = the values (value_offset past each key) weighted by the
+// numerators (row h of scores for head h), times inv_total[h].
+template <class T, int kVecs, int kHeads>
+PREFER_512 void weigh_values(const T* const* keys, int64_t value_offset, int64_t len,
+                             const float* scores, int64_t stride, const float* inv_total,
+                             T* out) {
+  if constexpr (std::is_same_v<T, Bf16> && kVecs % 2 == 0)
+    return weigh_values_bf16<kVecs, kHeads>(keys, value_offset, len, scores, stride, inv_total,
+                                            out);
+  constexpr int64_t dim = kVecs * kLanes;
+  Vec acc[kHeads][kVecs] = {};
+  for (int64_t t = 0; t < len; ++t) {
+    const T* vp = keys[t] + value_offset;
+    Vec val[kVecs];
+    for (int v = 0; v < kVecs; ++v) val[v] = load_vec(vp + v * kLanes);
+    for (int h = 0; h < kHeads; ++h) {
+      const float p = scores[h * stride + t];
+      for (int v = 0; v < kVecs; ++v) acc[h][v] += p * val[v];
     }
+  }
+  for (int h = 0; h < kHeads; ++h)
+    for (int v = 0; v < kVecs; ++v)
+      store_vec(out + h * dim + v * kLanes, acc[h][v] * inv_total[h]);
 }
 
 }  // namespace tandem

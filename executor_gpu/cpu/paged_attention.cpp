@@ -13,9 +13,12 @@
 // their queries and accumulators held in vector registers. For each query token: the dot
 // products with its keys (16 tokens' at a time, summed across lanes together), a softmax per
 // head in float32 with the maximum subtracted (as SDPA does), then the values weighted into
-// the accumulators. Given the step's new keys and values, they are stored first (one pass over
-// the tokens), which saves a separate scatter.
+// the accumulators. A decode taken whole reads its tokens' whole cache rows instead, every KV
+// head's part in one pass (attention_rows.h: the same arithmetic per head). Given the step's
+// new keys and values, they are stored first (one pass over the tokens), which saves a separate
+// scatter.
 #include "attention_inner.h"
+#include "attention_rows.h"
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -29,8 +32,6 @@ namespace tandem {
 namespace {
 
 constexpr int kMaxHeadVecs = 8;          // head sizes of 16..128 floats (whole vectors)
-constexpr int kRegisterVecs = 16;        // vectors of queries / accumulators held per pass
-constexpr int kMaxPassHeads = 4;         // query heads attended together in one pass
 constexpr int64_t kQueryRun = 16;        // query tokens of one prefill per task
 
 // [N, heads, d] rows (any row stride, contiguous heads): the form the kernel reads.
@@ -44,18 +45,24 @@ void check_heads(const torch::Tensor& t, const char* name) {
 // A thread's working memory for one task at a time (T: the cache's element type).
 template <class T>
 struct Scratch {
-  std::vector<float> scores;    // [kMaxPassHeads, padded length] softmax numerators
-  std::vector<Vec> parts;       // [kMaxPassHeads, kLanes] partial dot products
-  std::vector<const T*> keys;   // [padded length] each token's key row
+  std::vector<float> scores;    // [pass heads, padded length] softmax numerators
+  std::vector<Vec> parts;       // [pass heads, kLanes] partial dot products
+  std::vector<float> inv_total;  // [heads] 1 / each head's softmax sum (decodes over rows)
+  std::vector<const T*> keys;   // [padded length] each token's key row (or whole row)
   int64_t stride;                  // padded length: scores row stride
   int64_t value_offset;            // elements from a token's key row to its value row
 
-  Scratch(int64_t max_len, int64_t value_offset)
+  // Room for passes of kMaxPassHeads heads and for decodes over all `heads` heads at once.
+  Scratch(int64_t max_len, int64_t value_offset, int64_t heads)
       : stride((max_len + kLanes - 1) / kLanes * kLanes), value_offset(value_offset) {
-    scores.resize(kMaxPassHeads * stride);
-    parts.resize(kMaxPassHeads * kLanes);
+    const int64_t pass_heads = std::max<int64_t>(kMaxPassHeads, heads);
+    scores.resize(pass_heads * stride);
+    parts.resize(pass_heads * kLanes);
+    inv_total.resize(heads);
     keys.resize(stride);
   }
+
+  RowScratch rows() { return {scores.data(), stride, parts.data()}; }
 };
 
 // The scores of one query token's kHeads heads (kVecs vectors each, sharing a KV head) against
@@ -82,55 +89,8 @@ PREFER_512 void score_keys(const T* q, const T* const* keys, int64_t len, float 
         parts[h * kLanes + kBitReversed[j]] = dot;
       }
     }
-    store_scores<kHeads>(parts, n, scale, s.scores.data() + t0, s.stride);
+    store_scores(parts, kHeads, n, scale, s.scores.data() + t0, s.stride);
   }
-}
-
-// Softmax numerators of the scores' rows in place (float32, the maximum subtracted, as SDPA
-// does); inv_total[h] is 1 / the sum of row h, which divides the output at the end.
-template <class T, int kHeads>
-PREFER_512 void softmax_rows(Scratch<T>& s, int64_t len, float* inv_total) {
-  const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
-  for (int h = 0; h < kHeads; ++h) {
-    float* row = s.scores.data() + h * s.stride;
-    Vec top = *reinterpret_cast<const UVec*>(row);
-    for (int64_t t = kLanes; t < padded; t += kLanes) {
-      const Vec x = *reinterpret_cast<const UVec*>(row + t);
-      top = x > top ? x : top;
-    }
-    float m = top[0];
-    for (int i = 1; i < kLanes; ++i) m = top[i] > m ? top[i] : m;
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < padded; ++t) {
-      row[t] = exp_approx(row[t] - m);  // padding: e^-inf = 0
-      total += row[t];
-    }
-    inv_total[h] = 1.f / total;
-  }
-}
-
-// out (the kHeads heads' rows) = the values weighted by the numerators, over their sums.
-template <class T, int kVecs, int kHeads>
-PREFER_512 void weigh_values(const T* const* keys, int64_t len, const Scratch<T>& s,
-                             const float* inv_total, T* out) {
-  if constexpr (std::is_same_v<T, Bf16> && kVecs % 2 == 0)
-    return weigh_values_bf16<kVecs, kHeads>(keys, s.value_offset, len, s.scores.data(),
-                                            s.stride, inv_total, out);
-  constexpr int64_t dim = kVecs * kLanes;
-  Vec acc[kHeads][kVecs] = {};
-  for (int64_t t = 0; t < len; ++t) {
-    const T* vp = keys[t] + s.value_offset;
-    Vec val[kVecs];
-    for (int v = 0; v < kVecs; ++v) val[v] = load_vec(vp + v * kLanes);
-    for (int h = 0; h < kHeads; ++h) {
-      const float p = s.scores[h * s.stride + t];
-      for (int v = 0; v < kVecs; ++v) acc[h][v] += p * val[v];
-    }
-  }
-  for (int h = 0; h < kHeads; ++h)
-    for (int v = 0; v < kVecs; ++v)
-      store_vec(out + h * dim + v * kLanes, acc[h][v] * inv_total[h]);
 }
 
 // One query token's attention for kHeads heads of kVecs vectors that share a KV head, over the
@@ -145,8 +105,9 @@ void attend_heads(const T* q, const T* const* keys, int64_t len, float scale, Sc
   else
     score_keys<T, kVecs, kHeads>(q, keys, len, scale, s);
   float inv_total[kHeads];
-  softmax_rows<T, kHeads>(s, len, inv_total);
-  weigh_values<T, kVecs, kHeads>(keys, len, s, inv_total, out);
+  softmax_rows(s.scores.data(), s.stride, kHeads, len, inv_total);
+  weigh_values<T, kVecs, kHeads>(keys, s.value_offset, len, s.scores.data(), s.stride, inv_total,
+                                 out);
 }
 
 // attend_heads for n (1..kHeads) heads, n known only at run time.
@@ -164,7 +125,7 @@ void attend_n_heads(int64_t n, const T* q, const T* const* keys, int64_t len, fl
 template <class T, int kVecs, bool kDot>
 void attend_group(const T* q, const T* const* keys, int64_t len, int64_t group, float scale,
                   Scratch<T>& s, T* out) {
-  constexpr int kMax = std::min(kMaxPassHeads, std::max(1, kRegisterVecs / kVecs));
+  constexpr int kMax = pass_heads(kVecs);
   constexpr int64_t dim = kVecs * kLanes;
   for (int64_t h = 0; h < group; h += kMax)
     attend_n_heads<T, kVecs, kMax, kDot>(std::min<int64_t>(kMax, group - h), q + h * dim, keys,
@@ -186,6 +147,20 @@ template <class T, bool kDot>
 constexpr auto kGroupKernels =
     make_group_kernels<T, kDot>(std::make_integer_sequence<int, kMaxHeadVecs>{});
 
+template <class T>
+using RowKernel = void (*)(const T*, const T* const*, int64_t, int64_t, int64_t, float,
+                           int64_t, RowScratch&, float*, T*);
+// kRowKernels<T, kDot>[kVecs - 1]: attend_rows (a decode over whole rows) for heads of kVecs
+// vectors, kDot as in kGroupKernels.
+template <class T, bool kDot, int... kVecs>
+constexpr std::array<RowKernel<T>, sizeof...(kVecs)> make_row_kernels(
+    std::integer_sequence<int, kVecs...>) {
+  return {attend_rows<T, kVecs + 1, kDot && std::is_same_v<T, Bf16> && (kVecs + 1) % 2 == 0>...};
+}
+template <class T, bool kDot>
+constexpr auto kRowKernels =
+    make_row_kernels<T, kDot>(std::make_integer_sequence<int, kMaxHeadVecs>{});
+
 // One unit of work: a run of one request's query tokens against a range of KV heads.
 struct Task {
   int64_t request;  // index into the step's requests
@@ -194,6 +169,22 @@ struct Task {
   int64_t first;    // first query token of the run, in the flat batch
   int64_t last;     // one past its last
 };
+
+// rows[t] = token t's row in the cache (its keys for every KV head) for a request's `len`
+// tokens under its block table; the first kPrefetchTokens rows are asked for now.
+template <class T>
+void list_rows(const T* kv, const int64_t* table, int64_t len, int64_t block_size,
+               int64_t token_elems, const T** rows) {
+  constexpr int64_t kStep = 64 / sizeof(T);  // elements per cache line
+  for (int64_t first = 0, b = 0; first < len; first += block_size, ++b) {
+    const T* block = kv + table[b] * block_size * token_elems;
+    for (int64_t j = 0; j < std::min(block_size, len - first); ++j) {
+      rows[first + j] = block + j * token_elems;
+      if (first + j < kPrefetchTokens)  // to L2, as prefetch_rows
+        for (int64_t e = 0; e < token_elems; e += kStep) __builtin_prefetch(rows[first + j] + e, 0, 1);
+    }
+  }
+}
 
 }  // namespace
 
@@ -268,9 +259,9 @@ torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> 
   // Prefill runs first (the longest work), then the decodes; threads take tasks in that order
   // from a shared counter, so a long prefill does not leave the other thread idle.
   // With decodes enough to share out whole (4 per thread), a decode is one task over all its
-  // KV heads: a token's heads lie side by side in the cache, so one thread reads whole runs of
-  // cache lines instead of two threads each reading every other head's share (~8% faster at
-  // 16-256 decodes). Fewer decodes are split by KV head, to keep every thread busy.
+  // KV heads: a token's heads lie side by side in the cache, so one thread reads each token's
+  // whole rows once (attention_rows.h; 1.4-1.8x faster than one KV head at a time, cold, at
+  // 16-64 decodes). Fewer decodes are split by KV head, to keep every thread busy.
   int64_t decodes = 0;
   for (int64_t n = 0; n < n_req; ++n) decodes += qs[n + 1] - qs[n] == 1;
   const bool whole_decodes = decodes >= 4 * at::get_num_threads();
@@ -295,18 +286,29 @@ torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> 
   const int64_t q_stride = query.stride(0);
   T* o = data_of<T>(out);
   const float sc = static_cast<float>(scale);
-  const GroupKernel<T> kernel = bf16_dot && bf16_dot_supported()
-                                    ? kGroupKernels<T, true>[dim / kLanes - 1]
+  const bool dot = bf16_dot && bf16_dot_supported();
+  const GroupKernel<T> kernel = dot ? kGroupKernels<T, true>[dim / kLanes - 1]
                                     : kGroupKernels<T, false>[dim / kLanes - 1];
+  const RowKernel<T> row_kernel = dot ? kRowKernels<T, true>[dim / kLanes - 1]
+                                      : kRowKernels<T, false>[dim / kLanes - 1];
   std::atomic<int64_t> next{0};
   run_workers(static_cast<int64_t>(tasks.size()), [&] {
-    Scratch<T> scratch(max_len, value_offset);
+    Scratch<T> scratch(max_len, value_offset, heads);
+    RowScratch rows = scratch.rows();
     int64_t listed = -1;  // the request whose key rows scratch.keys holds
     for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(tasks.size());
          i = next.fetch_add(1)) {
       const Task& task = tasks[i];
       const int64_t n = task.request, len = sl[n];
       const int64_t cached = len - (qs[n + 1] - qs[n]);  // tokens before the query chunk
+      if (task.kv_end - task.kv_head == kv_heads && task.last - task.first == 1) {
+        // A decode taken whole: its tokens' whole rows (attention_rows.h).
+        list_rows(kv, bt + n * max_blocks, len, block_size, token_elems, scratch.keys.data());
+        listed = -1;
+        row_kernel(q + task.first * q_stride, scratch.keys.data(), len, kv_heads, group, sc,
+                   value_offset, rows, scratch.inv_total.data(), o + task.first * heads * dim);
+        continue;
+      }
       for (int64_t g = task.kv_head; g < task.kv_end; ++g) {
         if (listed != n * kv_heads + g) {  // key rows, block by block
           const int64_t* table = bt + n * max_blocks;

@@ -63,6 +63,65 @@ def test_decodes_match_the_reference(heads, kv_heads, dim, block_size, lens):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize(
+    "dtype,bf16_dot",
+    [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+    ids=["float32", "bf16-widened", "bf16-dot"],
+)
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 2, 48), (8, 1, 16)]
+)
+def test_decodes_taken_whole_match_one_at_a_time(
+    threads, num_threads, dtype, bf16_dot, heads, kv_heads, dim
+):
+    """With enough decodes each is one task that reads its tokens' whole cache rows (every KV
+    head at once); alone, a decode is split by KV head. Both do the same arithmetic per head:
+    bf16 outputs are identical, float32 ones differ at most in which product of a dot product
+    the compiler fuses into a multiply-add."""
+    threads(num_threads)
+    torch.manual_seed(heads * dim)
+    lens = [3 + 7 * i for i in range(20)]  # 20 decodes: taken whole up to 5 threads
+    meta = step_meta(lens, [1] * len(lens), 16, 128, seed=heads)
+    q = torch.randn(len(lens), heads, dim).to(dtype)
+    cache = torch.randn(2, 128, 16, kv_heads, dim).to(dtype)
+    module = load_kernels()
+    whole = module.paged_attention(
+        q,
+        None,
+        None,
+        None,
+        cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        0.3,
+        bf16_dot,
+    )
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    alone = torch.cat(
+        [
+            module.paged_attention(
+                q[i : i + 1],
+                None,
+                None,
+                None,
+                cache,
+                meta.block_tables[i : i + 1],
+                meta.seq_lens[i : i + 1],
+                one,
+                0.3,
+                bf16_dot,
+            )
+            for i in range(len(lens))
+        ]
+    )
+    if dtype == torch.bfloat16:
+        assert torch.equal(whole, alone)
+    else:
+        torch.testing.assert_close(whole, alone, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (6, 2, 16, 4)]
 )

@@ -58,8 +58,12 @@ def attend(lens, new, shape, bf16_dot, seed=0):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize(
     "lens,new",
-    [([40, 1, 17, 100], [1, 1, 1, 1]), ([70, 33, 5], [1, 20, 5])],
-    ids=["decodes", "mixed"],
+    [
+        ([40, 1, 17, 100], [1, 1, 1, 1]),
+        ([1 + 2 * i for i in range(20)], [1] * 20),
+        ([70, 33, 5], [1, 20, 5]),
+    ],
+    ids=["decodes", "decodes_whole", "mixed"],
 )
 def test_bf16_attention_forms(lens, new, shape, bf16_dot):
     """Both forms are float32 attention over the bf16 values (products exact, sums in float32),
