@@ -180,8 +180,8 @@ void list_rows(const T* kv, const int64_t* table, int64_t len, int64_t block_siz
     const T* block = kv + table[b] * block_size * token_elems;
     for (int64_t j = 0; j < std::min(block_size, len - first); ++j) {
       rows[first + j] = block + j * token_elems;
-      if (first + j < kPrefetchTokens)  // to L2, as prefetch_rows
-        for (int64_t e = 0; e < token_elems; e += kStep) __builtin_prefetch(rows[first + j] + e, 0, 1);
+      if (first + j < kPrefetchTokens)  // into L2, as prefetch_rows does the rest
+        for (int64_t e = 0; e < token_elems; e += kStep) prefetch_l2(rows[first + j] + e);
     }
   }
 }
