@@ -2,17 +2,19 @@
 //
 // A token's keys for all its KV heads lie side by side in the cache (one row of kv_heads * d
 // values), and so do its values. Attending one KV head at a time reads a third of every row
-// (with 3 KV heads), then the next third, and so on: a strided pattern that the CPU's hardware
-// prefetchers follow poorly. Measured here (a read-only pass in each order over a batch-64,
-// 128-token float32 cache of 30 layers, one thread): ~8.5 GB/s one head at a time against
-// 15-24 GB/s reading whole rows, the streaming rate of the machine.
+// (with 3 KV heads), then the next third, and so on: a strided pattern that the CPU's
+// prefetchers follow poorly. One core reading a batch-64, 128-token float32 cache of 30 layers
+// in each order (benchmarks/cache_read_order.cpp) ran at 7-10 GB/s one KV head at a time
+// against 15-19 GB/s reading whole rows with the next block asked for into L2 (blocks shuffled,
+// as a long-running server's are).
 //
 // So a decode (one query token) reads each key row once, scoring every query head against its
-// KV head's part of the row, and each value row once, weighting it into every head's
-// accumulators. The arithmetic per head is that of the one-head-at-a-time form, in the same
-// order: dot products summed across lanes 16 keys at a time, a float32 softmax with the maximum
-// subtracted, the values accumulated in token order (bf16: the same dot-product and even/odd
-// forms, attention_inner.h).
+// KV head's part of the row, and asks for the key row kPrefetchTokens ahead and for the token's
+// value row, both into L2; the values are then weighted one KV head at a time from there, each
+// head's accumulators in registers. The arithmetic per head is that of the one-head-at-a-time
+// form, in the same order: dot products summed across lanes 16 keys at a time, a float32
+// softmax with the maximum subtracted, the values accumulated in token order (bf16: the same
+// dot-product and even/odd forms, attention_inner.h).
 #pragma once
 
 #include "attention_inner.h"
