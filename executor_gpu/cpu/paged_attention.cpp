@@ -170,18 +170,20 @@ struct Task {
   int64_t last;     // one past its last
 };
 
-// rows[t] = token t's row in the cache (its keys for every KV head) for a request's `len`
-// tokens under its block table; the first kPrefetchTokens rows are asked for now.
+// rows[t] = token t's row in the cache for a request's `len` tokens under its block table, from
+// `first_elem` on (0: the row of every KV head's keys; g * d: KV head g's keys); the first
+// kPrefetchTokens rows' `prefetch_elems` elements are asked for now, into L2.
 template <class T>
 void list_rows(const T* kv, const int64_t* table, int64_t len, int64_t block_size,
-               int64_t token_elems, const T** rows) {
+               int64_t token_elems, int64_t first_elem, int64_t prefetch_elems,
+               const T** rows) {
   constexpr int64_t kStep = 64 / sizeof(T);  // elements per cache line
   for (int64_t first = 0, b = 0; first < len; first += block_size, ++b) {
-    const T* block = kv + table[b] * block_size * token_elems;
+    const T* block = kv + first_elem + table[b] * block_size * token_elems;
     for (int64_t j = 0; j < std::min(block_size, len - first); ++j) {
       rows[first + j] = block + j * token_elems;
-      if (first + j < kPrefetchTokens)  // into L2, as prefetch_rows does the rest
-        for (int64_t e = 0; e < token_elems; e += kStep) prefetch_l2(rows[first + j] + e);
+      if (first + j < kPrefetchTokens)  // the kernels' loops ask for the rest
+        for (int64_t e = 0; e < prefetch_elems; e += kStep) prefetch_l2(rows[first + j] + e);
     }
   }
 }
@@ -303,23 +305,17 @@ torch::Tensor paged_attention(torch::Tensor query, std::optional<torch::Tensor> 
       const int64_t cached = len - (qs[n + 1] - qs[n]);  // tokens before the query chunk
       if (task.kv_end - task.kv_head == kv_heads && task.last - task.first == 1) {
         // A decode taken whole: its tokens' whole rows (attention_rows.h).
-        list_rows(kv, bt + n * max_blocks, len, block_size, token_elems, scratch.keys.data());
+        list_rows(kv, bt + n * max_blocks, len, block_size, token_elems, 0, token_elems,
+                  scratch.keys.data());
         listed = -1;
         row_kernel(q + task.first * q_stride, scratch.keys.data(), len, kv_heads, group, sc,
                    value_offset, rows, scratch.inv_total.data(), o + task.first * heads * dim);
         continue;
       }
       for (int64_t g = task.kv_head; g < task.kv_end; ++g) {
-        if (listed != n * kv_heads + g) {  // key rows, block by block
-          const int64_t* table = bt + n * max_blocks;
-          for (int64_t first = 0, b = 0; first < len; first += block_size, ++b) {
-            const T* row = kv + g * dim + table[b] * block_size * token_elems;
-            for (int64_t j = 0; j < std::min(block_size, len - first); ++j) {
-              scratch.keys[first + j] = row + j * token_elems;
-              if (first + j < kPrefetchTokens)  // the first keys now; the loop asks for the rest
-                for (int64_t v = 0; v < dim; v += kLanes) __builtin_prefetch(row + j * token_elems + v);
-            }
-          }
+        if (listed != n * kv_heads + g) {  // KV head g's key rows
+          list_rows(kv, bt + n * max_blocks, len, block_size, token_elems, g * dim, dim,
+                    scratch.keys.data());
           listed = n * kv_heads + g;
         }
         for (int64_t t = task.first; t < task.last; ++t) {
