@@ -70,13 +70,14 @@ def test_decodes_match_the_reference(heads, kv_heads, dim, block_size, lens):
     ids=["float32", "bf16-widened", "bf16-dot"],
 )
 @pytest.mark.parametrize(
-    "heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 2, 48), (8, 1, 16)]
+    "heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 2, 48), (8, 2, 16)]
 )
 def test_decodes_taken_whole_match_one_at_a_time(
     threads, num_threads, dtype, bf16_dot, heads, kv_heads, dim
 ):
     """With enough decodes each is one task that reads its tokens' whole cache rows (every KV
-    head at once); alone, a decode is split by KV head. Both do the same arithmetic per head:
+    head at once); alone, a decode is split by KV head (every shape here has 2+ KV heads: with
+    one, a decode alone is whole rows too). Both do the same arithmetic per head:
     bf16 outputs are identical, float32 ones differ at most in which product of a dot product
     the compiler fuses into a multiply-add."""
     threads(num_threads)
