@@ -28,14 +28,6 @@ struct RowScratch {
   Vec* parts;      // [heads, kLanes] partial dot products of 16 keys
 };
 
-// The cache line at p asked for into L2 (prefetcht2). An asm statement, not __builtin_prefetch:
-// GCC deletes a loop whose body is only __builtin_prefetch calls when its trip count is not a
-// compile-time constant (as below: a row's length is known at run time), and with them the
-// whole gain of this form.
-inline void prefetch_l2(const void* p) {
-  asm volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p)));
-}
-
 // Before row t is used: ask for the key row kPrefetchTokens ahead and for row t's values (read
 // in the values pass), one request per cache line, into L2 (asked into L1 they measured no
 // faster than one KV head at a time: a core's few L1 miss buffers then bound the stream).

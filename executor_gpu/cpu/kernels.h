@@ -81,6 +81,13 @@ inline void store_vec(Bf16* p, Vec v) {
   *reinterpret_cast<HVec*>(p) = __builtin_convertvector(bits >> 16, HVec);
 }
 
+// The cache line at p asked for into L2 (prefetcht2). An asm statement, not __builtin_prefetch:
+// GCC deletes a loop whose body is only __builtin_prefetch calls when its trip count is not a
+// compile-time constant (a row's length known at run time, say), and with them the gain.
+inline void prefetch_l2(const void* p) {
+  asm volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p)));
+}
+
 // The element pointer of a float32 or bfloat16 tensor.
 template <class T>
 inline T* data_of(const torch::Tensor& t) {
