@@ -47,8 +47,9 @@ static_assert(kLinesPerRow<float> == 4 && kLinesPerRow<Bf16> == 2,
 // for one line per step along the depth, into L2 where it asks for two or four (a panel of a
 // few row tiles). Asked into L1 at two or more lines a step, the next panel's lines evict the
 // current panel's from L1 and hold the core's few L1 miss buffers while the tiles' own loads
-// wait: float32, 16 rows, 576 x 3072, two threads measured 1.2x slower so than into L2, and
-// 12 rows 1.3x (benchmarks/linear_prefetch.cpp); at one line a step L1 measured up to 5% faster.
+// wait (benchmarks/linear_prefetch.cpp, float32 576 x 3072: 16 rows 1.04-1.19x slower than
+// into L2, 12 rows up to 1.25x; a batch-16 decode step's kernels 1.17x float32, 1.20x bf16).
+// At one line a step (24+ rows) L1 measured up to 5% faster.
 template <int kFetch>
 inline void prefetch_next(const char* p) {
   if constexpr (kFetch == 1)
