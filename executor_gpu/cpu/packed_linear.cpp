@@ -21,6 +21,8 @@
 // float32 and each output is rounded to bf16 once, as the reference's GEMM does.
 #include "kernels.h"
 
+#include <ATen/Parallel.h>
+
 #include <atomic>
 #include <immintrin.h>
 
@@ -179,28 +181,40 @@ void run_panels(const std::array<std::array<TileFn<X, T>, kRowTile>, 4>& tiles,
   // about equally long and the last one claimed leaves the other threads waiting least.
   const int64_t row_tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
   const int64_t range = ((rows + row_tasks - 1) / row_tasks + kRowTile - 1) / kRowTile * kRowTile;
-  // Tasks: (row range, panel), row-range-major, claimed one at a time from a shared counter
-  // (run_workers) so that a thread the OS has paused (the controller shares these cores) delays
-  // only the task it holds. Each thread claims its next task before running the current one, so
-  // it knows which panel to prefetch.
-  const int64_t total = panels * row_tasks;
+  // With one range, panels that do not divide evenly among the threads (9 panels of a 576-wide
+  // layer over 2) would leave one thread running the last alone while the others wait: those
+  // last `tail` panels are instead split into `parts` row ranges of `part` rows, one per thread.
+  // (A row's outputs are computed the same way whichever tile holds it: the results do not
+  // depend on the split, so not on the thread count.)
+  const int64_t threads = at::get_num_threads();
+  const int64_t part = (rows + threads - 1) / threads;
+  const int64_t tail = row_tasks == 1 && threads > 1 && part >= kRowTile ? panels % threads : 0;
+  const int64_t parts = tail > 0 ? (rows + part - 1) / part : 1;
+  // Tasks: (row range, panel), row-range-major, then the tail's (panel, part)s, claimed one at
+  // a time from a shared counter (run_workers) so that a thread the OS has paused (the
+  // controller shares these cores) delays only the task it holds. Each thread claims its next
+  // task before running the current one, so it knows which panel to prefetch.
+  const int64_t whole = (panels - tail) * row_tasks;
+  const int64_t total = whole + tail * parts;
+  const auto panel_of = [&](int64_t task) {
+    return task < whole ? task % panels : panels - tail + (task - whole) / parts;
+  };
   std::atomic<int64_t> claimed{0};
   run_workers(total, [&] {
     for (int64_t task = claimed.fetch_add(1), following; task < total; task = following) {
       following = claimed.fetch_add(1);
-      const int64_t p = task % panels;
-      const int64_t first = (task / panels) * range;
-      const int64_t last = std::min(rows, first + range);
+      const int64_t p = panel_of(task);
+      const int64_t first = task < whole ? (task / panels) * range : (task - whole) % parts * part;
+      const int64_t last = std::min(rows, first + (task < whole ? range : part));
       // While this panel's row tiles run, the first of them (up to lines_per_step) ask for the
-      // thread's next panel, a share of its cache lines each, so that it arrives from memory
-      // during the arithmetic instead of after it.
+      // thread's next panel (unless it is this one), a share of its cache lines each, so that
+      // it arrives from memory during the arithmetic instead of after it.
       const int64_t tiles_n = (last - first + kRowTile - 1) / kRowTile;
       const int64_t sharing = std::min(tiles_n, lines_per_step);
       const int lines = static_cast<int>((lines_per_step + sharing - 1) / sharing);  // 4, 2, 1
+      const int64_t next_p = following < total ? panel_of(following) : p;
       const char* next =
-          following < total
-              ? reinterpret_cast<const char*>(wp + (following % panels) * depth * kPanel)
-              : nullptr;
+          next_p != p ? reinterpret_cast<const char*>(wp + next_p * depth * kPanel) : nullptr;
       for (int64_t r = first, i = 0; r < last; r += kRowTile, ++i) {
         const int n = static_cast<int>(std::min<int64_t>(kRowTile, last - r));
         const bool fetch = next != nullptr && i * lines < lines_per_step;

@@ -24,7 +24,9 @@ def _weights(dtype: torch.dtype, depth: int, width: int, seed: int):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 7, 64, 400])  # 400: several row ranges per panel
+# 16 and 64: the last panels split into a row range per thread (9 panels); 400: several row
+# ranges per panel
+@pytest.mark.parametrize("rows", [1, 7, 16, 64, 400])
 def test_packed_linear_is_identical_on_any_number_of_threads(threads, dtype, rows):
     m = load_kernels()
     packed = _weights(dtype, 96, 9 * 64, seed=rows)
