@@ -196,23 +196,29 @@ void run_panels(const std::array<std::array<TileFn<X, T>, kRowTile>, 4>& tiles,
   // task before running the current one, so it knows which panel to prefetch.
   const int64_t whole = (panels - tail) * row_tasks;
   const int64_t total = whole + tail * parts;
-  const auto panel_of = [&](int64_t task) {
-    return task < whole ? task % panels : panels - tail + (task - whole) / parts;
+  struct Share {
+    int64_t panel, first, last;  // a task's panel and its rows [first, last)
+  };
+  const auto share_of = [&](int64_t task) -> Share {
+    if (task < whole) {
+      const int64_t first = task / panels * range;
+      return {task % panels, first, std::min(rows, first + range)};
+    }
+    const int64_t j = task - whole, first = j % parts * part;
+    return {panels - tail + j / parts, first, std::min(rows, first + part)};
   };
   std::atomic<int64_t> claimed{0};
   run_workers(total, [&] {
     for (int64_t task = claimed.fetch_add(1), following; task < total; task = following) {
       following = claimed.fetch_add(1);
-      const int64_t p = panel_of(task);
-      const int64_t first = task < whole ? (task / panels) * range : (task - whole) % parts * part;
-      const int64_t last = std::min(rows, first + (task < whole ? range : part));
+      const auto [p, first, last] = share_of(task);
       // While this panel's row tiles run, the first of them (up to lines_per_step) ask for the
       // thread's next panel (unless it is this one), a share of its cache lines each, so that
       // it arrives from memory during the arithmetic instead of after it.
       const int64_t tiles_n = (last - first + kRowTile - 1) / kRowTile;
       const int64_t sharing = std::min(tiles_n, lines_per_step);
       const int lines = static_cast<int>((lines_per_step + sharing - 1) / sharing);  // 4, 2, 1
-      const int64_t next_p = following < total ? panel_of(following) : p;
+      const int64_t next_p = following < total ? share_of(following).panel : p;
       const char* next =
           next_p != p ? reinterpret_cast<const char*>(wp + next_p * depth * kPanel) : nullptr;
       for (int64_t r = first, i = 0; r < last; r += kRowTile, ++i) {
