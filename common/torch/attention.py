@@ -158,6 +158,27 @@ def _decode_attention(
     return out.reshape(n, num_heads, head_dim).to(query.dtype)
 
 
+def plain_causal(num_tokens: int, window: int, softcap: float) -> bool:
+    """Whether a chunk of ``num_tokens`` that is its whole context needs only the causal mask
+    (no soft-cap; no window, or one that covers the chunk)."""
+    return softcap <= 0 and (window <= 0 or window >= num_tokens)
+
+
+def whole_chunk_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of a chunk ([n, heads, d]) that is its request's whole context, over
+    its own keys and values ([n, kv_heads, d]): torch's fused attention (FlashAttention on
+    CUDA), no cache read, no mask built. Returns [n, heads, d]."""
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
+    keys = key.transpose(0, 1).unsqueeze(0).to(q.dtype)
+    values = value.transpose(0, 1).unsqueeze(0).to(q.dtype)
+    out = F.scaled_dot_product_attention(
+        q, keys, values, is_causal=True, scale=scale, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
 def _prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -177,13 +198,10 @@ def _prefill_attention(
     if kv_cache is None or num_cached == 0:
         # The context is exactly the new tokens: no need to read the cache back, nor (where
         # neither a window nor a soft-cap applies) to build a mask.
+        if plain_causal(n, window, softcap):
+            return whole_chunk_attention(query, key, value, scale)
         keys = key.transpose(0, 1).unsqueeze(0).to(q.dtype)
         values = value.transpose(0, 1).unsqueeze(0).to(q.dtype)
-        if softcap <= 0 and (window <= 0 or window >= n):
-            out = F.scaled_dot_product_attention(
-                q, keys, values, is_causal=True, scale=scale, enable_gqa=True
-            )
-            return out[0].transpose(0, 1)
     else:
         bs = meta.block_size
         num_ctx_blocks = (seq_len + bs - 1) // bs

@@ -68,7 +68,6 @@ def _paged_decode_kernel(
     kv_stride_slot,
     kv_stride_head,
     table_stride,
-    block_size,
     k_new_ptr,
     v_new_ptr,
     slots_ptr,
@@ -84,14 +83,17 @@ def _paged_decode_kernel(
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     TILE_TOKENS: tl.constexpr,
     PRECISION: tl.constexpr,
     STORE_KV: tl.constexpr,
     PARTS: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # A request's KV heads are neighbours in launch order: together they read whole token
+    # rows of the cache (every KV head of a token is stored side by side).
+    kv_head = tl.program_id(0)
+    req = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     g = tl.arange(0, GROUP_PAD)
@@ -129,8 +131,8 @@ def _paged_decode_kernel(
     while start < end:  # (a while loop: Triton's interpreter cannot range over a tensor)
         pos = start + t
         ok = pos < end
-        block = tl.load(table + pos // block_size, mask=ok, other=0)
-        slot = block.to(tl.int64) * kv_stride_block + (pos % block_size) * kv_stride_slot
+        block = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0)
+        slot = block.to(tl.int64) * kv_stride_block + (pos % BLOCK_SIZE) * kv_stride_slot
         offs = slot[:, None] + d[None, :]
         kv_mask = ok[:, None] & d_ok[None, :]
         k = tl.load(head_base + offs, mask=kv_mask, other=0.0)  # [TILE, D]
@@ -262,7 +264,7 @@ def paged_decode_attention(
         )
     else:
         part_m = part_l = part_acc = out  # (unused)
-    _paged_decode_kernel[(n, kv_heads, parts)](
+    _paged_decode_kernel[(kv_heads, n, parts)](
         out,
         query,
         kv_cache,
@@ -280,7 +282,6 @@ def paged_decode_attention(
         kv_cache.stride(2),
         kv_cache.stride(3),
         tables.stride(0),
-        block_size,
         k_new,
         v_new,
         slots if store else seq_lens,
@@ -296,6 +297,7 @@ def paged_decode_attention(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size,
         TILE_TOKENS=tile or tile_for(dim_pad, kv_cache.element_size()),
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         STORE_KV=store,

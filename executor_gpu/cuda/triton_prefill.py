@@ -14,7 +14,9 @@ request's chunk return at once, so the grid is sized by the longest chunk of the
 mix of lengths shares it.
 
 The new tokens' keys and values are in the cache before the launch (the backend writes them
-first), so a chunk sees its own keys like the cached ones. Without a cache (the profiling pass
+first), so a chunk sees its own keys like the cached ones. A step whose only chunk is a fresh
+prompt (no cached prefix) is the one case left to torch's fused attention (FlashAttention),
+which is faster there (``prefill``). Without a cache (the profiling pass
 before it exists; every request starts at position 0) the keys and values are read from the
 step's packed ``key`` / ``value`` tensors instead.
 
@@ -30,7 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-from common.torch.attention import AttentionMetadata
+from common.torch.attention import AttentionMetadata, plain_causal, whole_chunk_attention
+
+#: Software-pipelining depth of the key loops (loads of the next key tiles issued ahead).
+STAGES = 3
+#: Programs ordered so that a chunk's last query tiles (the most keys under the causal mask)
+#: are started first, and the short ones fill in behind them.
+LONGEST_FIRST = True
 
 
 @triton.jit
@@ -49,13 +57,13 @@ def _attend_tile(
     head_off,
     kv_stride_block,
     kv_stride_slot,
-    block_size,
     window,
     scale,
     softcap,
     BLOCK_N: tl.constexpr,
     DIM_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     PRECISION: tl.constexpr,
     PAGED: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -63,39 +71,51 @@ def _attend_tile(
     DIAGONAL: tl.constexpr,
 ):
     """The online-softmax update of a query tile by the keys at ``start .. start + BLOCK_N``
-    (those before ``last_pos``): returns the new (max, denominator, weighted sum). Off the
-    ``DIAGONAL`` every key of the tile precedes every query: no causal mask, no bound."""
+    (those before ``last_pos``): returns the new (max, denominator, weighted sum), the max in
+    base-2 units. Off the ``DIAGONAL`` every key of the tile precedes every query: no causal
+    mask, no bound, and (for head sizes that are a power of two) unmasked loads."""
     k_pos = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, DIM_PAD)
-    if DIAGONAL:
-        k_ok = k_pos < last_pos
-    else:  # (all true: the tile ends before the diagonal)
-        k_ok = k_pos >= 0
+    k_ok = k_pos < last_pos
     if PAGED:  # through the block table
-        block = tl.load(table + k_pos // block_size, mask=k_ok, other=0)
-        row = block.to(tl.int64) * kv_stride_block + (k_pos % block_size) * kv_stride_slot
+        if DIAGONAL:
+            block = tl.load(table + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
+        else:
+            block = tl.load(table + k_pos // BLOCK_SIZE)
+        row = block.to(tl.int64) * kv_stride_block + (k_pos % BLOCK_SIZE) * kv_stride_slot
     else:  # the step's own packed keys (no cache: the context is the chunk)
         row = (q_start + k_pos).to(tl.int64) * kv_stride_slot
     offs = head_off + row[:, None] + d[None, :]
-    kv_mask = k_ok[:, None] & (d < HEAD_DIM)[None, :]
-    k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, D]
-    v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N]
-    if SOFTCAP:  # cap * tanh(s / cap), tanh written with a sigmoid
-        scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
-    scores = scores * 1.4426950408889634  # log2(e): the softmax in base 2 (exp2)
+    if HEAD_DIM != DIM_PAD:
+        kv_mask = k_ok[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+    elif DIAGONAL:
+        k = tl.load(k_ptr + offs, mask=k_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + offs, mask=k_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + offs)
+        v = tl.load(v_ptr + offs)
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [M, N]
+    if SOFTCAP:  # cap * tanh(s / cap), tanh written with a sigmoid; then in base 2
+        qk = softcap * (2.0 * tl.sigmoid(2.0 * (qk * scale) / softcap) - 1.0)
+        qk = qk * 1.4426950408889634
+        qk_scale = 1.0
+    else:  # the scale and log2(e) in one multiply, fused with the max's subtraction below
+        qk_scale = scale * 1.4426950408889634
     if DIAGONAL:
         visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
-        scores = tl.where(visible, scores, float("-inf"))
+        qk = tl.where(visible, qk, float("-inf"))
     elif WINDOW:
-        scores = tl.where(k_pos[None, :] > q_pos[:, None] - window, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    p = tl.exp2(scores - m_new[:, None])
+        qk = tl.where(k_pos[None, :] > q_pos[:, None] - window, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+    acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -120,20 +140,24 @@ def _paged_prefill_kernel(
     kv_stride_slot,
     kv_stride_head,
     table_stride,
-    block_size,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     PRECISION: tl.constexpr,
     PAGED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     DOT_F32: tl.constexpr,
     PIPELINED: tl.constexpr,
     WINDOW: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    if LONGEST_FIRST:  # the last tiles of a chunk see the most keys: started first
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        tile = tl.program_id(0)
     req = first_req + tl.program_id(1)
     head = tl.program_id(2)
     q_start = tl.load(qsl_ptr + req)
@@ -169,29 +193,29 @@ def _paged_prefill_kernel(
         for start in tl.range(lo, diagonal, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, prefix + m, m_i, l_i, acc, start, last_pos, k_ptr, v_ptr, table, q_start,
-                head_off, kv_stride_block, kv_stride_slot, block_size, window, scale, softcap,
-                BLOCK_N, DIM_PAD, HEAD_DIM, PRECISION, PAGED, SOFTCAP, WINDOW, False,
+                head_off, kv_stride_block, kv_stride_slot, window, scale, softcap,
+                BLOCK_N, DIM_PAD, HEAD_DIM, BLOCK_SIZE, PRECISION, PAGED, SOFTCAP, WINDOW, False,
             )  # fmt: skip
         for start in tl.range(diagonal, last_pos, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, prefix + m, m_i, l_i, acc, start, last_pos, k_ptr, v_ptr, table, q_start,
-                head_off, kv_stride_block, kv_stride_slot, block_size, window, scale, softcap,
-                BLOCK_N, DIM_PAD, HEAD_DIM, PRECISION, PAGED, SOFTCAP, WINDOW, True,
+                head_off, kv_stride_block, kv_stride_slot, window, scale, softcap,
+                BLOCK_N, DIM_PAD, HEAD_DIM, BLOCK_SIZE, PRECISION, PAGED, SOFTCAP, WINDOW, True,
             )  # fmt: skip
     else:  # the same loops for Triton's interpreter, which cannot range over a tensor
         start = lo
         while start < diagonal:
             m_i, l_i, acc = _attend_tile(
                 q, prefix + m, m_i, l_i, acc, start, last_pos, k_ptr, v_ptr, table, q_start,
-                head_off, kv_stride_block, kv_stride_slot, block_size, window, scale, softcap,
-                BLOCK_N, DIM_PAD, HEAD_DIM, PRECISION, PAGED, SOFTCAP, WINDOW, False,
+                head_off, kv_stride_block, kv_stride_slot, window, scale, softcap,
+                BLOCK_N, DIM_PAD, HEAD_DIM, BLOCK_SIZE, PRECISION, PAGED, SOFTCAP, WINDOW, False,
             )  # fmt: skip
             start += BLOCK_N
         while start < last_pos:
             m_i, l_i, acc = _attend_tile(
                 q, prefix + m, m_i, l_i, acc, start, last_pos, k_ptr, v_ptr, table, q_start,
-                head_off, kv_stride_block, kv_stride_slot, block_size, window, scale, softcap,
-                BLOCK_N, DIM_PAD, HEAD_DIM, PRECISION, PAGED, SOFTCAP, WINDOW, True,
+                head_off, kv_stride_block, kv_stride_slot, window, scale, softcap,
+                BLOCK_N, DIM_PAD, HEAD_DIM, BLOCK_SIZE, PRECISION, PAGED, SOFTCAP, WINDOW, True,
             )  # fmt: skip
             start += BLOCK_N
     # (Rows past the chunk may have seen nothing: l = 0 there, and they are not stored.)
@@ -204,14 +228,15 @@ def _paged_prefill_kernel(
 
 
 def tiles_for(dim_pad: int, element_size: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for rows of ``dim_pad`` elements: 128 x 64 with 8 warps
-    for 16-bit heads up to 128 wide (the usual Hopper flash-attention tiles), halved for wider
-    or float32 rows (shared memory); small tiles under the interpreter, which pays per
-    element, not per program."""
+    """(BLOCK_M, BLOCK_N, num_warps) for rows of ``dim_pad`` elements: 128 x 128 with 8 warps
+    for rows up to 256 bytes (16-bit heads up to 128 wide; with STAGES = 3 they fill 224 KiB of
+    Hopper's 227 KiB of shared memory; the fastest in ``gpu_step.py --tune`` on an H200: 1.05 to
+    1.16x over 128 x 64), 64 x 32 with 4 warps for wider rows; small tiles under the
+    interpreter, which pays per element, not per program."""
     if device.type != "cuda":
         return 16, 16, 4
     if dim_pad * element_size <= 256:
-        return 128, 64, 8
+        return 128, 128, 8
     return 64, 32, 4
 
 
@@ -232,6 +257,9 @@ def paged_prefill_attention(
     softcap: float = 0.0,
     block_m: int = 0,
     block_n: int = 0,
+    warps: int = 0,
+    stages: int = 0,
+    longest_first: bool = LONGEST_FIRST,
 ) -> torch.Tensor:
     """Causal attention of requests ``first_req .. first_req + num_reqs - 1`` of a packed step
     (query [T, heads, d], any strides with a unit last one) to their cached contexts, written
@@ -242,7 +270,9 @@ def paged_prefill_attention(
     (common.torch.attention's layout, the chunk's own keys already stored).
     ``max_query_len`` bounds the chunks (the grid). With ``kv_cache=None``, every request
     starts at position 0 and its keys / values are the rows of ``key`` / ``value``
-    ([T, kv_heads, d]) at its query rows. ``block_m`` / ``block_n`` override the tiles.
+    ([T, kv_heads, d]) at its query rows. ``block_m`` / ``block_n`` / ``warps`` / ``stages``
+    override ``tiles_for`` and STAGES, ``longest_first`` LONGEST_FIRST (the benchmark's
+    comparisons).
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     if num_reqs == 0 or max_query_len == 0:
@@ -265,8 +295,8 @@ def paged_prefill_attention(
         element_size = key.element_size()
     tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     dim_pad = max(16, triton.next_power_of_2(head_dim))
-    tile_m, tile_n, warps = tiles_for(dim_pad, element_size, query.device)
-    block_m, block_n = block_m or tile_m, block_n or tile_n
+    tile_m, tile_n, tile_warps = tiles_for(dim_pad, element_size, query.device)
+    block_m, block_n, warps = block_m or tile_m, block_n or tile_n, warps or tile_warps
     grid = (triton.cdiv(max_query_len, block_m), num_reqs, num_heads)
     # Triton's interpreter multiplies bfloat16 matrices wrongly (numpy has no bfloat16): there
     # the operands, rounded to bfloat16 all the same, are multiplied in float32.
@@ -289,19 +319,21 @@ def paged_prefill_attention(
         out.stride(1),
         *strides,
         tables.stride(0),
-        max(1, kv_cache.shape[2]) if paged else 1,
         GROUP=num_heads // kv_heads,
         HEAD_DIM=head_dim,
         DIM_PAD=dim_pad,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        BLOCK_SIZE=kv_cache.shape[2] if paged else 1,
         PRECISION="ieee" if query.dtype == torch.float32 or dot_f32 else "tf32",
         PAGED=paged,
         SOFTCAP=softcap > 0,
         DOT_F32=dot_f32,
         PIPELINED=query.device.type == "cuda",
         WINDOW=window > 0,
+        LONGEST_FIRST=longest_first,
         num_warps=warps,
+        num_stages=stages or STAGES,
     )
     return out
 
@@ -318,11 +350,21 @@ def prefill(
     softcap: float = 0.0,
 ) -> None:
     """The step's prefill chunks (requests ``meta.num_decodes`` onwards) in one launch, into
-    their rows of ``out``: the ``prefill`` of ``paged_attention_with``."""
+    their rows of ``out``: the ``prefill`` of ``paged_attention_with``. A step whose only
+    chunk is its request's whole context (a fresh prompt, no cached prefix) goes to torch's
+    fused attention over the step's own keys instead (``whole_chunk_attention``): also one
+    launch, and faster there (FlashAttention; benchmarks/README.md)."""
     first = meta.num_decodes if kv_cache is not None else 0
+    qsl = meta.query_start_loc_host
+    if meta.num_requests - first == 1:
+        start, end = qsl[first], qsl[first + 1]
+        if meta.seq_lens_host[first] == end - start and plain_causal(end - start, window, softcap):
+            out[start:end] = whole_chunk_attention(
+                query[start:end], key[start:end], value[start:end], scale
+            )
+            return
     longest_key = ("prefill_longest", first)
     if longest_key not in meta.derived:  # once per step, shared by the layers
-        qsl = meta.query_start_loc_host
         meta.derived[longest_key] = max(b - a for a, b in zip(qsl[first:-1], qsl[first + 1 :]))
     longest = meta.derived[longest_key]
     paged_prefill_attention(

@@ -203,3 +203,36 @@ class _Counting:
     def __getitem__(self, grid):
         self.launches.append(self.name)
         return self.kernel[grid]
+
+
+@pytest.mark.parametrize(
+    "lens,new,softcap,kernels",
+    [
+        # A fresh prompt alone beside decodes: torch's fused attention, no prefill kernel.
+        ([9, 14, 40], [1, 1, 40], 0.0, ["_paged_decode_kernel"]),
+        # The same with soft-capping, which torch's fused attention lacks: the kernel.
+        ([9, 14, 40], [1, 1, 40], 5.0, ["_paged_decode_kernel", "_paged_prefill_kernel"]),
+        # A lone chunk after a cached prefix, and two fresh prompts: the kernel.
+        ([9, 67], [1, 6], 0.0, ["_paged_decode_kernel", "_paged_prefill_kernel"]),
+        ([30, 40], [30, 40], 0.0, ["_paged_prefill_kernel"]),
+    ],
+)
+def test_backend_leaves_a_lone_fresh_prompt_to_torch(lens, new, softcap, kernels, monkeypatch):
+    """Which launches a step makes: a step whose only chunk is a whole fresh prompt goes to
+    torch's fused attention; every other one to the prefill kernel; the output is the torch
+    backend's either way."""
+    triton_attention.register()
+    launches: list[str] = []
+    for module, name in ((triton_attention, "_paged_decode_kernel"), (pf, "_paged_prefill_kernel")):
+        monkeypatch.setattr(module, name, _Counting(getattr(module, name), name, launches))
+    torch.manual_seed(8)
+    meta = step_meta(lens, new, 8, 48, seed=3)
+    q, k, v = (torch.randn(sum(new), h, 16) for h in (4, 2, 2))
+    cache = torch.randn(2, 48, 8, 2, 16)
+    ref_cache = cache.clone()
+    got = get_attention_backend(triton_attention.BACKEND_NAME)(
+        q, k, v, cache, meta, 0.25, softcap=softcap
+    )
+    expected = torch_paged_attention(q, k, v, ref_cache, meta, 0.25, softcap=softcap)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert launches == kernels

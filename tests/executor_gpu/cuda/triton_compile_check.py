@@ -28,7 +28,9 @@ from executor_gpu.cuda import triton_attention, triton_layer_ops, triton_prefill
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def _compile(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4):
+def _compile(
+    kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3
+):
     """Compile ``kernel`` with every argument typed (``types`` names pointer and float args; the
     rest are i32 scalars or constexprs); returns the compiled kernel."""
     signature = {}
@@ -38,7 +40,8 @@ def _compile(kernel, types: dict[str, str], constexprs: dict, num_warps: int = 4
         else:
             signature[name] = types.get(name, "i32")
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(src, target=TARGET, options=options)
 
 
 def _compile_prefill(dtype: str, precision: str) -> None:
@@ -70,14 +73,17 @@ def _compile_prefill(dtype: str, precision: str) -> None:
                 DIM_PAD=dim_pad,
                 BLOCK_M=block_m,
                 BLOCK_N=block_n,
+                BLOCK_SIZE=16 if paged else 1,
                 PRECISION=precision,
                 PAGED=paged,
                 SOFTCAP=softcap,
                 DOT_F32=False,
                 PIPELINED=True,
                 WINDOW=window,
+                LONGEST_FIRST=triton_prefill.LONGEST_FIRST,
             ),
             num_warps=warps,
+            num_stages=triton_prefill.STAGES,
         )
         assert kernel.metadata.shared <= 227 * 1024, (head_dim, kernel.metadata.shared)
 
@@ -116,6 +122,8 @@ def main() -> None:
                     PRECISION=precision,
                     STORE_KV=store,
                     PARTS=parts,
+                    SOFTCAP=False,
+                    BLOCK_SIZE=16,
                 ),
             )
             # Within the shared memory a block may have on an H100/H200 (227 KiB).
