@@ -13,7 +13,9 @@ One script for a lent GPU, in the order that matters:
 4. the linear layers' GEMMs at decode row counts in both weight layouts;
 5. prefill (benchmarks/gpu_prefill.py): the batched Triton prefill kernel against the torch
    prefills it replaced, attention alone and the whole forward pass, at steps of ~2048 new
-   tokens, as TFLOPS and a fraction of the device's bf16 peak.
+   tokens, as TFLOPS and a fraction of the device's bf16 peak;
+6. with ``--tune``, the prefill kernel's launch settings side by side
+   (benchmarks/gpu_tuning.py).
 
 The bound is the weights' bytes over 4.8 TB/s (the H200's datasheet bandwidth); the KV cache a
 step reads is reported beside it, and ``over_copy`` is each decode time over the bytes it reads
@@ -58,6 +60,7 @@ from benchmarks.gpu_prefill import (  # noqa: E402
     time_attention,
     time_prefill_forward,
 )
+from benchmarks.gpu_tuning import print_tuning, tune_prefill  # noqa: E402
 from common.host.settings import ExecutorConfig  # noqa: E402
 from common.torch.models.layer_ops import TORCH_LAYER_OPS  # noqa: E402
 from common.wire.model_config import load_model_geometry  # noqa: E402
@@ -359,6 +362,11 @@ def main(argv=None) -> None:
         default=1,
         help="shard the Llama-3-8B-shaped model over N devices (follower ranks; no graphs)",
     )
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="also: the prefill kernel's launch settings side by side (benchmarks/gpu_tuning.py)",
+    )
     p.add_argument("--json", default="", help="write the report here; - prints it last")
     a = p.parse_args(argv)
     smoke = a.smoke or not torch.cuda.is_available()
@@ -473,6 +481,10 @@ def main(argv=None) -> None:
     if not smoke:
         section(report, "gemms", lambda: time_gemms(device, torch.bfloat16, [1, 16, 64]))
     prefill_rows(report, runner, smoke, sharded)
+    if a.tune:
+        section(
+            report, "tune_prefill", lambda: tune_prefill(device, SMOKE_CASES if smoke else CASES)
+        )
     report["summary"] = summary(report)
     if a.json and a.json != "-":
         with open(a.json, "w") as f:
@@ -489,6 +501,7 @@ def main(argv=None) -> None:
             f"{r['over_bound']:>8.2f} {r['kv_bytes'] / 1e9:>6.2f} {r['over_copy']}"
         )
     print_prefill(report)
+    print_tuning(report)
     sweep = report.get("attention_sweep")
     for r in sweep if isinstance(sweep, list) else []:
         print(

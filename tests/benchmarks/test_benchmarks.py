@@ -275,6 +275,7 @@ def test_gpu_step_benchmark_smoke_on_the_cpu(tmp_path):
             "20",
             "--long-context",
             "40",
+            "--tune",
             "--json",
             str(out),
         ],
@@ -293,6 +294,33 @@ def test_gpu_step_benchmark_smoke_on_the_cpu(tmp_path):
     for key in ("prefill_attention", "prefill_forward"):
         assert len(report[key]) == 3, report[key]
         assert all(r["old"]["ms"] > 0 and r["new"]["ms"] > 0 for r in report[key])
+    # --tune: every launch setting of the prefill kernel ran (the interpreter ignores warps and
+    # stages, not the tiles or the program order).
+    from benchmarks.gpu_tuning import PREFILL_VARIANTS
+
+    assert len(report["tune_prefill"]) == 3 * len(PREFILL_VARIANTS)
+    for r in report["tune_prefill"]:
+        assert r["us"] > 0 and not r["error"], r
+
+
+def test_gpu_attention_ab_compares_two_versions_of_the_kernels(tmp_path):
+    """gpu_attention_ab.py under the interpreter, the "earlier" version being a copy of the
+    current files: every case timed for both, with the same outputs."""
+    import shutil
+
+    base = tmp_path / "base"
+    base.mkdir()
+    for name in ("triton_prefill", "triton_attention"):
+        shutil.copy(os.path.join(ROOT, "executor_gpu", "cuda", f"{name}.py"), base)
+    out = tmp_path / "ab.json"
+    args = ["benchmarks/gpu_attention_ab.py", "--smoke", "--rounds", "1"]
+    run = run_script(args + ["--base-dir", str(base), "--json", str(out)], timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["kernel"] for r in rows] == ["prefill"] * 3 + ["decode"]
+    for r in rows:
+        assert r["base_us"] > 0 and r["new_us"] > 0 and r["base_over_new"] > 0
+        assert r["output_diff"] == 0.0, r
 
 
 def test_tp_step_benchmark_measures_both_sizes_and_models_the_traffic(tmp_path):
