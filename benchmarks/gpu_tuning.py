@@ -56,7 +56,7 @@ def tune_prefill(device: torch.device, cases: dict) -> list[dict]:
     from executor_gpu.cuda import triton_prefill as tp
 
     heads, kv_heads, dim, dtype = kernel_shape(device)
-    default = (*tp.tiles_for(dim, dtype.itemsize, device), tp.STAGES, tp.LONGEST_FIRST)
+    default = (*tp.launch_settings(dim, dtype.itemsize, device)[0], tp.LONGEST_FIRST)
     rows = []
     for name, case in cases.items():
         meta = step_meta(case, device)

@@ -31,11 +31,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from common.torch.attention import AttentionMetadata, plain_causal, whole_chunk_attention
 
-#: Software-pipelining depth of the key loops (loads of the next key tiles issued ahead).
-STAGES = 3
+#: Launch settings in order of preference, (BLOCK_M, BLOCK_N, num_warps, stages: the key loops'
+#: software-pipelining depth), for rows of up to 256 bytes (16-bit heads up to 128 wide) and for
+#: wider ones. The first narrow one was the fastest in ``gpu_step.py --tune`` on an H200
+#: (1.05-1.16x over 128 x 64 tiles; 96 KiB of shared memory for 128-wide bf16 heads); a device
+#: whose shared memory a setting exceeds gets the next (``launch_settings``).
+NARROW_TILES = ((128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 2))
+WIDE_TILES = ((64, 32, 4, 3), (32, 32, 4, 2), (32, 16, 4, 1))
 #: Programs ordered so that a chunk's last query tiles (the most keys under the causal mask)
 #: are started first, and the short ones fill in behind them.
 LONGEST_FIRST = True
@@ -227,17 +233,23 @@ def _paged_prefill_kernel(
     )
 
 
-def tiles_for(dim_pad: int, element_size: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for rows of ``dim_pad`` elements: 128 x 128 with 8 warps
-    for rows up to 256 bytes (16-bit heads up to 128 wide; with STAGES = 3 they fill 224 KiB of
-    Hopper's 227 KiB of shared memory; the fastest in ``gpu_step.py --tune`` on an H200: 1.05 to
-    1.16x over 128 x 64), 64 x 32 with 4 warps for wider rows; small tiles under the
-    interpreter, which pays per element, not per program."""
+#: (row elements, element size, device) -> the setting that compiled there.
+_FITTED: dict[tuple[int, int, torch.device], tuple[int, int, int, int]] = {}
+
+
+def launch_settings(
+    dim_pad: int, element_size: int, device: torch.device
+) -> tuple[tuple[int, int, int, int], ...]:
+    """The launch settings to try, in order, for rows of ``dim_pad`` elements on ``device``:
+    the one that compiled there before, or NARROW_TILES / WIDE_TILES (a setting the compiler
+    rejects for lack of shared memory is passed over); small tiles under the interpreter, which
+    pays per element, not per program."""
     if device.type != "cuda":
-        return 16, 16, 4
-    if dim_pad * element_size <= 256:
-        return 128, 128, 8
-    return 64, 32, 4
+        return ((16, 16, 4, 1),)
+    fitted = _FITTED.get((dim_pad, element_size, device))
+    if fitted is not None:
+        return (fitted,)
+    return NARROW_TILES if dim_pad * element_size <= 256 else WIDE_TILES
 
 
 def paged_prefill_attention(
@@ -271,8 +283,8 @@ def paged_prefill_attention(
     ``max_query_len`` bounds the chunks (the grid). With ``kv_cache=None``, every request
     starts at position 0 and its keys / values are the rows of ``key`` / ``value``
     ([T, kv_heads, d]) at its query rows. ``block_m`` / ``block_n`` / ``warps`` / ``stages``
-    override ``tiles_for`` and STAGES, ``longest_first`` LONGEST_FIRST (the benchmark's
-    comparisons).
+    override ``launch_settings``' first choice, ``longest_first`` LONGEST_FIRST (the
+    benchmark's comparisons).
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     if num_reqs == 0 or max_query_len == 0:
@@ -295,46 +307,42 @@ def paged_prefill_attention(
         element_size = key.element_size()
     tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     dim_pad = max(16, triton.next_power_of_2(head_dim))
-    tile_m, tile_n, tile_warps = tiles_for(dim_pad, element_size, query.device)
-    block_m, block_n, warps = block_m or tile_m, block_n or tile_n, warps or tile_warps
-    grid = (triton.cdiv(max_query_len, block_m), num_reqs, num_heads)
+    settings = launch_settings(dim_pad, element_size, query.device)
+    if block_m or block_n or warps or stages:  # one setting, as given
+        m, n, w, st = settings[0]
+        settings = ((block_m or m, block_n or n, warps or w, stages or st),)
     # Triton's interpreter multiplies bfloat16 matrices wrongly (numpy has no bfloat16): there
     # the operands, rounded to bfloat16 all the same, are multiplied in float32.
     dot_f32 = query.device.type != "cuda" and query.dtype == torch.bfloat16
-    _paged_prefill_kernel[grid](
-        out,
-        query,
-        k_src,
-        v_src,
-        tables,
-        seq_lens,
-        query_start_loc,
-        first_req,
-        scale,
-        window,
-        softcap,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        *strides,
-        tables.stride(0),
-        GROUP=num_heads // kv_heads,
-        HEAD_DIM=head_dim,
-        DIM_PAD=dim_pad,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_SIZE=kv_cache.shape[2] if paged else 1,
-        PRECISION="ieee" if query.dtype == torch.float32 or dot_f32 else "tf32",
-        PAGED=paged,
-        SOFTCAP=softcap > 0,
-        DOT_F32=dot_f32,
-        PIPELINED=query.device.type == "cuda",
-        WINDOW=window > 0,
-        LONGEST_FIRST=longest_first,
-        num_warps=warps,
-        num_stages=stages or STAGES,
-    )
+    for i, (tile_m, tile_n, num_warps, num_stages) in enumerate(settings):
+        try:
+            _paged_prefill_kernel[(triton.cdiv(max_query_len, tile_m), num_reqs, num_heads)](
+                out, query, k_src, v_src, tables, seq_lens, query_start_loc, first_req, scale,
+                window, softcap, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                *strides, tables.stride(0),
+                GROUP=num_heads // kv_heads,
+                HEAD_DIM=head_dim,
+                DIM_PAD=dim_pad,
+                BLOCK_M=tile_m,
+                BLOCK_N=tile_n,
+                BLOCK_SIZE=kv_cache.shape[2] if paged else 1,
+                PRECISION="ieee" if query.dtype == torch.float32 or dot_f32 else "tf32",
+                PAGED=paged,
+                SOFTCAP=softcap > 0,
+                DOT_F32=dot_f32,
+                PIPELINED=query.device.type == "cuda",
+                WINDOW=window > 0,
+                LONGEST_FIRST=longest_first,
+                num_warps=num_warps,
+                num_stages=num_stages,
+            )  # fmt: skip
+        except OutOfResources:  # (raised when compiling, before anything runs)
+            if i + 1 == len(settings):
+                raise
+            continue
+        if len(settings) > 1:
+            _FITTED[(dim_pad, element_size, query.device)] = settings[i]
+        break
     return out
 
 

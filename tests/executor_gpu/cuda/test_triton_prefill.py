@@ -236,3 +236,34 @@ def test_backend_leaves_a_lone_fresh_prompt_to_torch(lens, new, softcap, kernels
     expected = torch_paged_attention(q, k, v, ref_cache, meta, 0.25, softcap=softcap)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert launches == kernels
+
+
+def test_a_setting_past_the_shared_memory_falls_back_to_the_next(monkeypatch):
+    """A launch setting the compiler rejects for lack of shared memory (OutOfResources, raised
+    before anything runs) is passed over for the next one, which is then remembered."""
+    from triton.runtime.errors import OutOfResources
+
+    tried = []
+    kernel = pf._paged_prefill_kernel
+
+    class TooBigFirst:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                tried.append((kw["BLOCK_M"], kw["BLOCK_N"], kw["num_stages"]))
+                if kw["BLOCK_N"] == 128:
+                    raise OutOfResources(229376, 166912, "shared memory")
+                return kernel[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(pf, "_paged_prefill_kernel", TooBigFirst())
+    monkeypatch.setattr(pf, "_FITTED", {})
+    monkeypatch.setattr(pf, "launch_settings", lambda *a: ((64, 128, 4, 3), (32, 16, 4, 2)))
+    torch.manual_seed(9)
+    meta = step_meta([9, 40], [1, 40], 8, 16, seed=1)
+    q = torch.randn(41, 4, 16)
+    cache = torch.randn(2, 16, 8, 2, 16)
+    got = run_kernel(q, cache, meta, 0.25)
+    torch.testing.assert_close(got[1:], reference(q, cache, meta, 0.25)[1:], rtol=1e-5, atol=1e-5)
+    assert tried == [(64, 128, 3), (32, 16, 2)]
+    assert list(pf._FITTED.values()) == [(32, 16, 4, 2)]
