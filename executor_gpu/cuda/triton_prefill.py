@@ -233,7 +233,8 @@ def _paged_prefill_kernel(
     )
 
 
-#: (row elements, element size, device) -> the setting that compiled there.
+#: (row elements, element size, device) -> the first setting of the table that compiled there
+#: (recorded when an earlier one did not).
 _FITTED: dict[tuple[int, int, torch.device], tuple[int, int, int, int]] = {}
 
 
@@ -241,15 +242,14 @@ def launch_settings(
     dim_pad: int, element_size: int, device: torch.device
 ) -> tuple[tuple[int, int, int, int], ...]:
     """The launch settings to try, in order, for rows of ``dim_pad`` elements on ``device``:
-    the one that compiled there before, or NARROW_TILES / WIDE_TILES (a setting the compiler
-    rejects for lack of shared memory is passed over); small tiles under the interpreter, which
-    pays per element, not per program."""
+    NARROW_TILES / WIDE_TILES from the first one that compiled there before (a setting the
+    compiler rejects for lack of shared memory is passed over for the next); small tiles under
+    the interpreter, which pays per element, not per program."""
     if device.type != "cuda":
         return ((16, 16, 4, 1),)
+    table = NARROW_TILES if dim_pad * element_size <= 256 else WIDE_TILES
     fitted = _FITTED.get((dim_pad, element_size, device))
-    if fitted is not None:
-        return (fitted,)
-    return NARROW_TILES if dim_pad * element_size <= 256 else WIDE_TILES
+    return table[table.index(fitted) :] if fitted in table else table
 
 
 def paged_prefill_attention(
@@ -340,7 +340,7 @@ def paged_prefill_attention(
             if i + 1 == len(settings):
                 raise
             continue
-        if len(settings) > 1:
+        if i > 0:  # the next steps start from the setting that compiled
             _FITTED[(dim_pad, element_size, query.device)] = settings[i]
         break
     return out
