@@ -26,9 +26,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.gpu_kernels import BLOCK, fabricated_meta, rel_err  # noqa: E402
-from benchmarks.gpu_prefill import CASES, SMOKE_CASES, attention_flops, step_meta  # noqa: E402
-from benchmarks.gpu_tuning import kernel_shape, timed_us  # noqa: E402
+from benchmarks.gpu_kernels import attention_shape, decode_inputs, rel_err, time_us  # noqa: E402
+from benchmarks.gpu_prefill import (  # noqa: E402
+    CASES,
+    SMOKE_CASES,
+    attention_flops,
+    prefill_inputs,
+    prefill_span,
+)
 
 DECODE_SHAPES = ((64, 256), (64, 512), (64, 1024), (16, 256), (1, 1024))
 SMOKE_DECODE_SHAPES = ((3, 40),)
@@ -49,10 +54,7 @@ def compare(fns: dict, rounds: int, device: torch.device) -> dict:
     times: dict[str, list[float]] = {"base": [], "new": []}
     for _ in range(rounds):
         for label in ("base", "new"):
-            us, error = timed_us(fns[label], device)
-            if us is None:
-                raise RuntimeError(f"{label}: {error}")
-            times[label].append(us)
+            times[label].append(time_us(fns[label], device))
     base, new = statistics.median(times["base"]), statistics.median(times["new"])
     return {
         "base_us": base,
@@ -64,28 +66,24 @@ def compare(fns: dict, rounds: int, device: torch.device) -> dict:
 
 def prefill_rows(modules: dict, cases: dict, rounds: int, device: torch.device) -> list[dict]:
     """Each prefill case through both versions of ``paged_prefill_attention``."""
-    heads, kv_heads, dim, dtype = kernel_shape(device)
+    heads, _, dim, _ = attention_shape(device)
     rows = []
     for name, case in cases.items():
-        meta = step_meta(case, device)
-        blocks = int(meta.block_tables.max()) + 1
-        kv = torch.randn(2, blocks, BLOCK, kv_heads, dim, device=device).to(dtype)
-        q = torch.randn(meta.query_start_loc_host[-1], heads, dim, device=device).to(dtype)
-        first, qsl = meta.num_decodes, meta.query_start_loc_host
-        longest = max(b - a for a, b in zip(qsl[first:-1], qsl[first + 1 :]))
-        outs, fns = {}, {}
+        meta, kv, q, _, _ = prefill_inputs(case, device)
+        fns, outs = {}, {}
         for label, module in modules.items():
-            out = torch.zeros_like(q)
+            outs[label] = torch.zeros_like(q)
             fns[label] = functools.partial(
                 module.paged_prefill_attention, q, kv, meta.block_tables, meta.seq_lens,
-                meta.query_start_loc, dim**-0.5, first, meta.num_requests - first, longest, out,
+                meta.query_start_loc, dim**-0.5, *prefill_span(meta), outs[label],
             )  # fmt: skip
-            outs[label] = fns[label]()
+            fns[label]()
         row = {"kernel": "prefill", "case": name, **compare(fns, rounds, device)}
         flops = attention_flops((case[0], 0, 0), heads, dim)
         row["base_TFLOPS"] = flops / row["base_us"] / 1e6
         row["new_TFLOPS"] = flops / row["new_us"] / 1e6
-        row["output_diff"] = rel_err(outs["new"][qsl[first] :], outs["base"][qsl[first] :])
+        first = meta.query_start_loc_host[meta.num_decodes]  # (the decodes' rows are not written)
+        row["output_diff"] = rel_err(outs["new"][first:], outs["base"][first:])
         rows.append(row)
     return rows
 
@@ -93,13 +91,10 @@ def prefill_rows(modules: dict, cases: dict, rounds: int, device: torch.device) 
 def decode_rows(modules: dict, shapes, rounds: int, device: torch.device) -> list[dict]:
     """Each (batch, context) decode shape through both versions of
     ``paged_decode_attention``."""
-    heads, kv_heads, dim, dtype = kernel_shape(device)
+    _, kv_heads, dim, dtype = attention_shape(device)
     rows = []
     for batch, context in shapes:
-        meta = fabricated_meta(batch, context, device)
-        blocks = batch * -(-context // BLOCK) + 1
-        kv = torch.randn(2, blocks, BLOCK, kv_heads, dim, device=device).to(dtype)
-        q = torch.randn(batch, heads, dim, device=device).to(dtype)
+        meta, kv, q = decode_inputs(batch, context, device)
         fns = {
             label: functools.partial(
                 module.paged_decode_attention, q, kv, meta.block_tables, meta.seq_lens, dim**-0.5

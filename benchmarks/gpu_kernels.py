@@ -150,6 +150,33 @@ def graph_time_us(fn, calls: int = 10) -> float:
     return event_median_ms(graph.replay, iters=10) * 1e3 / calls
 
 
+def time_us(fn, device: torch.device) -> float:
+    """Microseconds per call of ``fn``: CUDA-graph replays on CUDA, host time on the CPU (the
+    smoke runs under Triton's interpreter)."""
+    if device.type != "cuda":
+        return event_median_ms(fn, iters=2, warmup=1) * 1e3
+    return graph_time_us(fn)
+
+
+def attention_shape(device: torch.device) -> tuple[int, int, int, torch.dtype]:
+    """(query heads, KV heads, head size, dtype) the attention benchmarks use: Llama-3-8B's in
+    bf16 on CUDA, a small float32 one for the CPU smoke runs (Triton's interpreter)."""
+    return (32, 8, 128, torch.bfloat16) if device.type == "cuda" else (4, 2, 32, torch.float32)
+
+
+def decode_inputs(
+    batch: int, context: int, device: torch.device
+) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+    """A decode step of ``batch`` requests at ``context`` tokens (``fabricated_meta``), a random
+    cache covering their blocks and their queries, at ``attention_shape``."""
+    heads, kv_heads, dim, dtype = attention_shape(device)
+    meta = fabricated_meta(batch, context, device)
+    blocks = batch * -(-context // BLOCK) + 1
+    kv = torch.randn(2, blocks, BLOCK, kv_heads, dim, device=device).to(dtype)
+    q = torch.randn(batch, heads, dim, device=device).to(dtype)
+    return meta, kv, q
+
+
 def sweep_attention(device: torch.device, full: bool) -> list[dict]:
     """The decode attention kernel alone, bf16, Llama-3-8B heads (32 query, 8 KV, 128 wide),
     at its own choice and one partition (``full``: every partition count and tile size);
@@ -158,11 +185,7 @@ def sweep_attention(device: torch.device, full: bool) -> list[dict]:
 
     rows = []
     for batch, context in ((64, 256), (64, 1024), (16, 256), (1, 1024)):
-        meta = fabricated_meta(batch, context, device)
-        kv = torch.randn(2, batch * -(-context // BLOCK) + 1, BLOCK, 8, 128, device=device).to(
-            torch.bfloat16
-        )
-        q = torch.randn(batch, 32, 128, device=device).to(torch.bfloat16)
+        meta, kv, q = decode_inputs(batch, context, device)
         kv_bytes = 2 * batch * context * 8 * 128 * 2
         picked = ta.partitions_for(batch, 8, device)
         grid = (

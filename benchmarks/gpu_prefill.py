@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from benchmarks.gpu_kernels import BLOCK, event_median_ms, rel_err
+from benchmarks.gpu_kernels import BLOCK, attention_shape, event_median_ms, rel_err
 from common.torch.attention import AttentionMetadata, get_attention_backend, visible_keys
 
 #: Dense bf16 tensor-core peaks (TFLOPS, without sparsity), by a substring of the device name.
@@ -86,23 +86,36 @@ def _rates(flops: float, ms: float, peak: float | None) -> dict:
     return {"ms": ms, "TFLOPS": tflops, "of_peak": tflops * 1e12 / peak if peak else None}
 
 
+def prefill_inputs(case: tuple, device: torch.device) -> tuple:
+    """A step of ``case`` (``step_meta``), a random cache covering its blocks and its
+    queries, keys and values, at ``attention_shape``: (meta, cache, q, k, v)."""
+    heads, kv_heads, dim, dtype = attention_shape(device)
+    meta = step_meta(case, device)
+    t = meta.query_start_loc_host[-1]
+    blocks = int(meta.block_tables.max()) + 1
+    cache = torch.randn(2, blocks, BLOCK, kv_heads, dim, device=device).to(dtype)
+    q, k, v = (torch.randn(t, h, dim, device=device).to(dtype) for h in (heads, kv_heads, kv_heads))
+    return meta, cache, q, k, v
+
+
+def prefill_span(meta: AttentionMetadata) -> tuple[int, int, int]:
+    """(first prefilling request, how many, the longest chunk): the step's arguments of
+    ``triton_prefill.paged_prefill_attention``."""
+    first, qsl = meta.num_decodes, meta.query_start_loc_host
+    longest = max(b - a for a, b in zip(qsl[first:-1], qsl[first + 1 :]))
+    return first, meta.num_requests - first, longest
+
+
 def time_attention(device: torch.device, backends: dict[str, str], cases: dict) -> list[dict]:
     """One layer's attention of each case (the new tokens' cache writes included) per backend,
-    bf16 on CUDA (float32 on the CPU), Llama-3-8B heads."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    heads, kv_heads, dim = (32, 8, 128) if device.type == "cuda" else (4, 2, 32)
+    at ``attention_shape``."""
+    heads, _, dim, _ = attention_shape(device)
     peak = bf16_peak(device)
     rows = []
     for name, case in cases.items():
-        meta = step_meta(case, device)
-        t = meta.query_start_loc_host[-1]
-        blocks = int(meta.block_tables.max()) + 1
-        cache = torch.randn(2, blocks, BLOCK, kv_heads, dim, device=device).to(dtype)
-        q, k, v = (
-            torch.randn(t, h, dim, device=device).to(dtype) for h in (heads, kv_heads, kv_heads)
-        )
+        meta, cache, q, k, v = prefill_inputs(case, device)
         flops = attention_flops(case, heads, dim)
-        row: dict = {"case": name, "tokens": t}
+        row: dict = {"case": name, "tokens": q.shape[0]}
         for variant, backend in backends.items():
             call = partial(get_attention_backend(backend), q, k, v, cache, meta, dim**-0.5)
             ms = event_median_ms(call, iters=10)

@@ -14,8 +14,8 @@ import functools
 
 import torch
 
-from benchmarks.gpu_kernels import BLOCK, event_median_ms, graph_time_us
-from benchmarks.gpu_prefill import attention_flops, step_meta
+from benchmarks.gpu_kernels import attention_shape, time_us
+from benchmarks.gpu_prefill import attention_flops, prefill_inputs, prefill_span
 
 #: (block_m, block_n, warps, stages, longest first); the first is the kernel's launch before
 #: the program order was added.
@@ -32,66 +32,30 @@ PREFILL_VARIANTS = [
 ]
 
 
-def kernel_shape(device: torch.device) -> tuple[int, int, int, torch.dtype]:
-    """(query heads, KV heads, head size, dtype): Llama-3-8B's in bf16 on CUDA, a small float32
-    one for the CPU smoke run (Triton's interpreter)."""
-    return (32, 8, 128, torch.bfloat16) if device.type == "cuda" else (4, 2, 32, torch.float32)
-
-
-def timed_us(fn, device: torch.device) -> tuple[float | None, str]:
-    """Microseconds per call of ``fn`` from graph replays (host time on the CPU), or
-    (None, why) when it fails."""
-    try:
-        if device.type != "cuda":
-            return event_median_ms(fn, iters=2, warmup=1) * 1e3, ""
-        return graph_time_us(fn), ""
-    except Exception as exc:  # (a setting past the shared memory: reported, not fatal)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return None, f"{type(exc).__name__}: {str(exc)[:120]}"
-
-
 def tune_prefill(device: torch.device, cases: dict) -> list[dict]:
     """The prefill kernel over PREFILL_VARIANTS at ``cases`` (gpu_prefill.py's)."""
     from executor_gpu.cuda import triton_prefill as tp
 
-    heads, kv_heads, dim, dtype = kernel_shape(device)
+    heads, _, dim, dtype = attention_shape(device)
     default = (*tp.launch_settings(dim, dtype.itemsize, device)[0], tp.LONGEST_FIRST)
     rows = []
     for name, case in cases.items():
-        meta = step_meta(case, device)
-        t = meta.query_start_loc_host[-1]
-        blocks = int(meta.block_tables.max()) + 1
-        kv = torch.randn(2, blocks, BLOCK, kv_heads, dim, device=device).to(dtype)
-        q = torch.randn(t, heads, dim, device=device).to(dtype)
+        meta, kv, q, _, _ = prefill_inputs(case, device)
         out = torch.empty_like(q)
-        first = meta.num_decodes
-        qsl = meta.query_start_loc_host
-        longest = max(b - a for a, b in zip(qsl[first:-1], qsl[first + 1 :]))
         # The prefill chunks' share of the case's FLOPs (the decodes are the other kernel's).
         flops = attention_flops((case[0], 0, 0), heads, dim)
         for block_m, block_n, warps, stages, longest_first in PREFILL_VARIANTS:
-            us, error = timed_us(
-                functools.partial(
-                    tp.paged_prefill_attention,
-                    q,
-                    kv,
-                    meta.block_tables,
-                    meta.seq_lens,
-                    meta.query_start_loc,
-                    dim**-0.5,
-                    first,
-                    meta.num_requests - first,
-                    longest,
-                    out,
-                    block_m=block_m,
-                    block_n=block_n,
-                    warps=warps,
-                    stages=stages,
-                    longest_first=longest_first,
-                ),
-                device,
-            )
+            call = functools.partial(
+                tp.paged_prefill_attention, q, kv, meta.block_tables, meta.seq_lens,
+                meta.query_start_loc, dim**-0.5, *prefill_span(meta), out, block_m=block_m,
+                block_n=block_n, warps=warps, stages=stages, longest_first=longest_first,
+            )  # fmt: skip
+            try:
+                us, error = time_us(call, device), ""
+            except Exception as exc:  # (a setting past the shared memory: reported, not fatal)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                us, error = None, f"{type(exc).__name__}: {str(exc)[:120]}"
             rows.append(
                 {
                     "case": name,
