@@ -9,7 +9,8 @@ One script for a lent GPU, in the order that matters:
 3. a Llama-3-8B-shaped model with random bf16 weights (``--load-format dummy``): the decode
    forward pass + logits at batch 1/16/64 with torch operators (eager), the fused kernels
    (eager) and the fused kernels replayed from CUDA graphs, timed with CUDA events; and the
-   whole executor step (``execute_model``: inputs, replay, sampling, results) at batch 64;
+   whole executor step (``execute_model``: inputs, replay, sampling, results) at batch 64, one
+   step at a time and overlapped (benchmarks/gpu_executor_step.py);
 4. the linear layers' GEMMs at decode row counts in both weight layouts;
 5. prefill (benchmarks/gpu_prefill.py): the batched Triton prefill kernel against the torch
    prefills it replaced, attention alone and the whole forward pass, at steps of ~2048 new
@@ -31,7 +32,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -41,6 +41,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from benchmarks.gpu_executor_step import (  # noqa: E402
+    compare_executor_steps,
+    decode_step,
+    profile_executor_step,
+    start_requests,
+)
 from benchmarks.gpu_kernels import (  # noqa: E402
     BLOCK,
     check_kernels,
@@ -64,12 +70,6 @@ from benchmarks.gpu_tuning import print_tuning, tune_prefill  # noqa: E402
 from common.host.settings import ExecutorConfig  # noqa: E402
 from common.torch.models.layer_ops import TORCH_LAYER_OPS  # noqa: E402
 from common.wire.model_config import load_model_geometry  # noqa: E402
-from common.wire.step_types import (  # noqa: E402
-    CachedRequestData,
-    NewRequestData,
-    SamplingParams,
-    StepInput,
-)
 from executor_gpu.follower import start_sharded_runner  # noqa: E402
 from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
 
@@ -101,35 +101,6 @@ TINY = {
     "max_position_embeddings": 512,
     "eos_token_id": 0,
 }
-
-
-def start_requests(
-    runner: GPUModelRunner, prompts: list[list[int]], step_id: int = 0, computed: int = 0
-) -> list[int]:
-    """Send ``prompts`` as new requests (``computed`` tokens already cached, the rest scheduled)
-    on their own blocks; returns the sampled tokens."""
-    per = -(-(max(map(len, prompts)) + 64) // BLOCK)
-    new = [
-        NewRequestData(
-            f"r{i}",
-            p,
-            [],
-            SamplingParams(),
-            list(range(1 + i * per, 1 + (i + 1) * per)),
-            computed,
-            len(p) - computed,
-        )
-        for i, p in enumerate(prompts)
-    ]
-    out = runner.execute_model(StepInput(step_id, new_requests=new))
-    return [o.sampled_token_id for o in out.outputs]
-
-
-def decode_step(runner: GPUModelRunner, lengths: list[int], step_id: int) -> list[int]:
-    """One decode step of every request (request i has ``lengths[i]`` known tokens)."""
-    cached = [CachedRequestData(f"r{i}", [], n - 1, 1) for i, n in enumerate(lengths)]
-    out = runner.execute_model(StepInput(step_id, cached_requests=cached))
-    return [o.sampled_token_id for o in out.outputs]
 
 
 def check_tiny_vs_hf(device: torch.device, smoke: bool) -> dict:
@@ -224,22 +195,6 @@ def time_forward(
     return rows
 
 
-def time_executor_step(runner: GPUModelRunner, batch: int, context: int, steps: int) -> float:
-    """Median wall seconds of ``execute_model`` decode steps (graphs replayed where captured)."""
-    runner.reset()
-    vocab = runner.geometry.vocab_size
-    prompts = [[(7 * i + j) % vocab for j in range(context)] for i in range(batch)]
-    with torch.inference_mode():
-        start_requests(runner, prompts, computed=context - 1)
-        times = []
-        for step in range(1, steps + 1):
-            t0 = time.perf_counter()
-            decode_step(runner, [context + step] * batch, step)  # ends in a device->host copy
-            times.append(time.perf_counter() - t0)
-    runner.reset()
-    return statistics.median(times[2:] or times)
-
-
 def out_in_ops(ops):
     """``ops`` with linear weights stored [out, in] and multiplied by ``F.linear`` (cuBLAS's
     "TN" product) instead of the model's [in, out] ``torch.mm``."""
@@ -292,30 +247,6 @@ def profile_replay(runner: GPUModelRunner, batch: int, context: int) -> list[dic
         if e.device_time_total > 0
     ]
     return sorted(rows, key=lambda r: -r["us_per_step"])[:16]
-
-
-def profile_executor_step(runner: GPUModelRunner, batch: int, context: int) -> list[dict]:
-    """Host time of ``execute_model`` decode steps by function (cProfile, 20 steps): where the
-    whole step's time beyond the graph replay goes."""
-    import cProfile
-    import pstats
-
-    profiler = cProfile.Profile()
-    profiler.enable()
-    time_executor_step(runner, batch, context, 20)
-    profiler.disable()
-    stats = pstats.Stats(profiler)
-    rows = []
-    for (path, line, name), (_, calls, tottime, cumtime, _) in stats.stats.items():
-        rows.append(
-            {
-                "function": f"{os.path.basename(path)}:{line}:{name}",
-                "calls": calls,
-                "tottime_ms_per_step": tottime * 1e3 / 20,
-                "cumtime_ms_per_step": cumtime * 1e3 / 20,
-            }
-        )
-    return sorted(rows, key=lambda r: -r["tottime_ms_per_step"])[:25]
 
 
 def section(report: dict, key: str, fn) -> None:
@@ -447,9 +378,11 @@ def main(argv=None) -> None:
         section(report, "recaptured", runner.enable_decode_graphs)
     section(
         report,
-        "executor_step_ms",
-        lambda: time_executor_step(runner, max(batches), a.context, 12) * 1e3,
+        "executor_steps",
+        lambda: compare_executor_steps(runner, max(batches), a.context),
     )
+    steps = report["executor_steps"]
+    report["executor_step_ms"] = steps.get("one_at_a_time_ms", steps)
     if a.profile_host:
         section(
             report, "host_profile", lambda: profile_executor_step(runner, max(batches), a.context)
@@ -518,7 +451,8 @@ def main(argv=None) -> None:
         print(f"{r['us_per_step']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
     print(
         f"executor step (execute_model), batch {max(batches)}, ctx {a.context}: "
-        f"{report['executor_step_ms']} ms"
+        f"{report['executor_step_ms']} ms one at a time, "
+        f"{steps.get('overlapped_ms', steps)} ms overlapped"
     )
     for r in report.get("gemms") if isinstance(report.get("gemms"), list) else []:
         print(

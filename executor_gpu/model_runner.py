@@ -23,11 +23,10 @@ import os
 import torch
 
 from common.host.settings import ExecutorConfig
-from common.torch.attention import AttentionMetadata, get_attention_backend
+from common.torch.attention import get_attention_backend
 from common.torch.input_batch import RequestState, ScheduledRow, StepBatch
 from common.torch.parallel import SINGLE, TensorParallel
 from common.torch.runner import (
-    DUMMY_SAMPLING,
     RowResults,
     TorchModelRunner,
     prompt_logprob_count,
@@ -40,16 +39,14 @@ from common.torch.sampling import (
     compute_prompt_logprobs,
 )
 from common.wire.config import ModelGeometry
-from common.wire.step_types import token_mask_bytes
 from executor_gpu.cpu import kernels as cpu_kernels
-from executor_gpu.cuda.graphs import DecodeGraphs, capture_sizes
+from executor_gpu.cuda.graphs import DecodeGraphs
+from executor_gpu.overlap import PendingRows, fill_placeholders, leave_placeholders
 from executor_gpu.ranks.group import RankGroup
 from executor_gpu.ranks.leader_model import LeaderModel
+from executor_gpu.warm_up import PROMPT_LOGPROB_SLICE, WarmUp
 
 log = logging.getLogger(__name__)
-
-#: Prompt-logprob positions projected to logits at a time (bounds the [P, vocab] temporaries).
-_PROMPT_LOGPROB_SLICE = 512
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -63,7 +60,7 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
-class GPUModelRunner(TorchModelRunner):
+class GPUModelRunner(WarmUp, TorchModelRunner):
     """Runs steps of a served model (any family) on a CUDA device or the CPU.
 
     Under tensor parallelism, rank 0's runner holds the ``RankGroup`` of followers (``ranks``)
@@ -87,6 +84,8 @@ class GPUModelRunner(TorchModelRunner):
         self.stack_forward_of = None  # builds the model's one-call decoder stack, where it has one
         self.graphs: DecodeGraphs | None = None  # decode replay, set up by capture_model
         self.scan_logits = None  # float32 logits -> (argmax, finite) per row in one pass (CPU)
+        self._in_flight_samples: torch.Tensor | None = None  # the last launch's sampled tokens
+        self._resets = 0  # resets and cache reallocations so far (a pending step's scrub)
         if self.device.type == "cuda" and self._cuda_kernels_apply():
             try:
                 from executor_gpu.cuda import triton_attention, triton_layer_ops
@@ -174,20 +173,41 @@ class GPUModelRunner(TorchModelRunner):
     def after_kv_cache_allocated(self) -> None:
         """Graphs captured over the old cache tensors are dropped (capture_model recaptures)."""
         self.graphs = None
+        self._resets += 1
 
     def reset(self) -> None:
         """Forget every request and restart unseeded sampling from the configured seed."""
         super().reset()
         self.sampler.reseed(self.config.seed)
+        self._resets += 1
+        self._in_flight_samples = None
 
     # --- steps ----------------------------------------------------------------------------
 
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether the next step is launched before the one in flight is finished (executor_gpu.
+        overlap): on CUDA with one rank unless --overlap-steps off; on the CPU only when forced
+        on (a CPU step runs whole at its launch: overlapping would only delay its result)."""
+        mode = self.config.overlap_steps
+        if mode == "off" or self.ranks is not None or self.tp.size > 1:
+            return False
+        return mode == "on" or self.device.type == "cuda"
+
     def run_rows(self, rows: list[ScheduledRow]) -> RowResults:
         """Build the step's tensors, then forward, logits, sampling and prompt logprobs."""
+        return self.finish_rows(self.launch_rows(rows))
+
+    def launch_rows(self, rows: list[ScheduledRow]) -> PendingRows:
+        """Queue the step's device work (inputs, forward, logits, sampling, the results' copy
+        to the host) without waiting for the device, except for prompt logprobs; leave a
+        placeholder for each sampled token (executor_gpu.overlap)."""
         batch = self.input_batch.build(rows)
+        if batch.has_placeholders:  # decodes of tokens the step in flight samples
+            batch.input_ids = fill_placeholders(batch.input_ids, self._in_flight_samples)
         sample_states = [rows[i].state for i in batch.sample_rows]
-        # Sampling tensors go to the device before the forward pass is queued: copied after
-        # it, they would wait for it (the host idles), and the sampler's launches would follow.
+        # Sampling tensors go to the device before the forward pass is queued, so that the
+        # sampler's launches follow it at once.
         meta = self._sampling_metadata(sample_states) if sample_states else None
         replayed = None
         if (
@@ -209,7 +229,7 @@ class GPUModelRunner(TorchModelRunner):
         else:
             row_sums = torch.zeros(len(rows), dtype=torch.float32, device=self.device)
             row_sums.index_add_(0, batch.token_rows, token_sums)
-        results = RowResults.empty(len(rows))
+        sampled, logprobs = None, None
         if meta is not None:
             logits = (
                 decode_logits
@@ -227,23 +247,36 @@ class GPUModelRunner(TorchModelRunner):
             if not all_ok:
                 logits = logits.masked_fill(~logits_ok[:, None], 0.0)
             result = self.sampler(logits, meta, argmax if all_ok else None)
-            token_lps = (
-                result.logprobs.to_token_logprobs(meta.num_logprobs)
-                if result.logprobs is not None
-                else [None] * len(sample_states)
-            )
-            for j, (i, token) in enumerate(
-                zip(batch.sample_rows, result.sampled_token_ids.tolist())
-            ):
-                results.sampled[i], results.logprobs[i] = token, token_lps[j]
+            sampled, logprobs = result.sampled_token_ids, result.logprobs
             if not all_ok:  # mark the rows whose logits were not finite as failed
-                row_sums[batch.sample_rows] += torch.where(logits_ok, 0.0, float("nan"))
-        results.failed = {i for i, ok in enumerate(row_sums.isfinite().tolist()) if not ok}
-        if batch.prompt_lp_rows:
-            for i, lps in self._prompt_logprobs(hidden, batch).items():
-                results.prompt_logprobs[i] = lps
-        for i in results.failed:
-            self._scrub(batch, i)
+                nan_if_bad = torch.where(logits_ok, 0.0, float("nan"))
+                row_sums = row_sums.index_add(0, batch.sample_index, nan_if_bad)
+        pending = PendingRows.start(
+            batch,
+            sampled,
+            row_sums.isfinite(),
+            logprobs,
+            meta.num_logprobs if meta is not None else [],
+            self._resets,
+        )
+        if batch.prompt_lp_rows:  # waits for the device: such a step is not overlapped
+            pending.prompt_logprobs = self._prompt_logprobs(hidden, batch)
+        self._in_flight_samples = sampled
+        leave_placeholders(rows, batch.sample_rows)
+        return pending
+
+    def rows_done(self, pending: PendingRows) -> bool:
+        """Whether the rows' results have reached the host."""
+        return pending.done()
+
+    def finish_rows(self, pending: PendingRows) -> RowResults:
+        """The rows' host results (waiting for their copy); the cache slots that rows which
+        failed (or whose request was let go meanwhile) wrote are zeroed."""
+        results = pending.results()
+        if pending.resets == self._resets:  # a reset since: the cache is another session's
+            rows = pending.batch.rows
+            for i in sorted(results.failed | {i for i, r in enumerate(rows) if r.state.dropped}):
+                self._scrub(pending.batch, i)
         return results
 
     def _scrub(self, batch: StepBatch, row: int) -> None:
@@ -285,8 +318,8 @@ class GPUModelRunner(TorchModelRunner):
         ks = [prompt_logprob_count(r, self.config.max_logprobs) for r in rows]
         pieces = []
         total = batch.prompt_lp_indices.shape[0]
-        for start in range(0, total, _PROMPT_LOGPROB_SLICE):
-            sl = slice(start, start + _PROMPT_LOGPROB_SLICE)
+        for start in range(0, total, PROMPT_LOGPROB_SLICE):
+            sl = slice(start, start + PROMPT_LOGPROB_SLICE)
             logits = self.model.compute_logits(hidden[batch.prompt_lp_indices[sl]])
             pieces.append(compute_prompt_logprobs(logits, batch.prompt_lp_targets[sl], max(ks)))
         merged = LogprobsTensors(
@@ -299,89 +332,3 @@ class GPUModelRunner(TorchModelRunner):
         return split_prompt_logprobs(
             batch.rows, batch.prompt_lp_rows, merged.to_token_logprobs(per_position)
         )
-
-    # --- profiling and warm-up ------------------------------------------------------------
-
-    def dummy_run(self, num_tokens: int, num_reqs: int, prompt_logprobs: bool = False) -> None:
-        """A forward pass plus worst-case sampling on fabricated inputs; no request state kept.
-
-        Single-token shapes run against the bound cache writing only into block 0 (the
-        controller's reserved null block); other shapes run without a cache (nothing written).
-        """
-        bs = self.config.block_size
-        # No fabricated request may be longer than the model accepts.
-        longest = max(1, self.geometry.max_model_len - bs)
-        num_reqs = max(1, min(num_tokens, max(num_reqs, -(-num_tokens // longest))))
-        decode = num_tokens == num_reqs and bool(self.kv_caches)
-        rows = self.dummy_rows(num_tokens, num_reqs, bs - 1 if decode else 0, DUMMY_SAMPLING)
-        full = b"\xff" * token_mask_bytes(self.geometry.vocab_size)
-        for row in rows:  # the worst case masks every row too (structured output)
-            row.state.allowed_token_mask = full
-        batch = self.input_batch.build(rows)
-        if not decode:
-            self.model.bind_kv_cache(None)
-        try:
-            hidden = self.model(batch.input_ids, batch.positions, batch.attn)
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
-            meta = self._sampling_metadata([r.state for r in rows])
-            Sampler(0, self.device)(logits, meta)
-            if prompt_logprobs:
-                n = min(num_tokens, _PROMPT_LOGPROB_SLICE)
-                lp_logits = self.model.compute_logits(hidden[:n])
-                compute_prompt_logprobs(lp_logits, batch.input_ids[:n], self.config.max_logprobs)
-        finally:
-            self.model.bind_kv_cache(self.kv_caches or None)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def profile_run(self) -> int:
-        """Worst-case steps (max tokens over max requests, and max tokens in one prefill);
-        returns the peak activation bytes on CUDA, 0 on the CPU (no allocator statistics)."""
-        tokens = self.config.max_num_batched_tokens
-        reqs = min(self.config.max_num_seqs, tokens)
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            base = torch.cuda.memory_allocated(self.device)
-        with torch.inference_mode():
-            self.dummy_run(tokens, reqs, prompt_logprobs=True)
-            self.dummy_run(tokens, 1)
-        if not cuda:
-            return 0
-        return max(0, torch.cuda.max_memory_allocated(self.device) - base)
-
-    def decode_forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states and logits of a pure decode step (what the decode graphs capture)."""
-        hidden = self.model(input_ids, positions, meta)
-        return hidden, self.model.compute_logits(hidden)
-
-    def enable_decode_graphs(self, capture: bool = True) -> int:
-        """Set up decode replay for batch sizes up to max_num_seqs (captured on CUDA; with
-        capture=False, the same static-buffer path run eagerly); returns the graphs made."""
-        bs = self.config.block_size
-        self.graphs = DecodeGraphs(
-            self.decode_forward,
-            capture_sizes(self.config.max_num_seqs),
-            -(-self.geometry.max_model_len // bs),
-            bs,
-            self.device,
-            capture=capture,
-        )
-        with torch.inference_mode():
-            return self.graphs.capture_all()
-
-    def capture_model(self) -> int:
-        """Warm up a prefill-shaped and a decode-shaped step, then, on CUDA with the Triton
-        kernels, capture the decode graphs; returns the graphs captured (0 on the CPU)."""
-        with torch.inference_mode():
-            self.dummy_run(min(64, self.config.max_num_batched_tokens), 1)
-            batch = min(8, self.config.max_num_seqs)
-            self.dummy_run(batch, batch)
-        if self.device.type != "cuda" or self.fused_ops is None or not self.kv_caches:
-            return 0
-        if self.tp.size > 1:  # the followers would have to capture theirs in step: eager
-            return 0
-        return self.enable_decode_graphs()

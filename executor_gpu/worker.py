@@ -9,6 +9,7 @@ import time
 import torch
 
 from common.host.worker_base import WorkerBase
+from common.torch.runner import LaunchedStep
 from common.wire.config import MemoryProfile
 from common.wire.model_config import load_model_geometry
 from common.wire.step_types import StepInput, StepOutput
@@ -129,12 +130,38 @@ class GPUWorker(WorkerBase):
 
     def execute_model(self, step: StepInput) -> StepOutput:
         """Run one step on the runner without autograd."""
+        return self.finish_step(self.launch_step(step))
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """The runner's choice (executor_gpu.overlap): on CUDA with one rank by default."""
+        runner = self.model_runner
+        return isinstance(runner, GPUModelRunner) and runner.overlaps_steps
+
+    def launch_step(self, step: StepInput) -> LaunchedStep:
+        """Queue a step's device work on the runner without autograd."""
         assert self.model_runner is not None
-        started = time.perf_counter()
         with torch.inference_mode():
-            output = self.model_runner.execute_model(step)
-        self.metrics.observe(step, time.perf_counter() - started)
+            return self.model_runner.launch_step(step)
+
+    def finish_step(self, launched: LaunchedStep) -> StepOutput:
+        """A launched step's output (waiting for the device), observed in the step metrics
+        from its launch."""
+        assert self.model_runner is not None
+        with torch.inference_mode():
+            output = self.model_runner.finish_step(launched)
+        self.metrics.observe(launched.step, time.perf_counter() - launched.started)
         return output
+
+    def step_done(self, launched: LaunchedStep) -> bool:
+        """Whether the launched step's results are on the host (its event has passed)."""
+        assert self.model_runner is not None
+        return self.model_runner.step_done(launched)
+
+    def step_needs_results(self, step: StepInput) -> bool:
+        """See ``TorchModelRunner.step_needs_results``."""
+        assert self.model_runner is not None
+        return self.model_runner.step_needs_results(step)
 
     def memory_usage(self) -> dict[str, int]:
         """Weights and KV cache; on CUDA also the device's used and total bytes."""

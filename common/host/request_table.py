@@ -37,6 +37,9 @@ class RequestState:
     # Structured output: the tokens this step may sample (packed bits, common.wire.step_types.
     # token_mask_bytes), replaced by every step that schedules the request; None = any token.
     allowed_token_mask: bytes | None = None
+    # Let go after a failure (a check, non-finite values, a failed step, a reset): a step
+    # launched before that and still holding the request reports it unknown.
+    dropped: bool = False
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> RequestState:
@@ -88,12 +91,20 @@ class RequestTable:
 
     def clear(self) -> None:
         """Forget every request."""
+        for state in self.requests.values():
+            state.dropped = True
         self.requests.clear()
 
     def forget(self, request_ids: Iterable[str]) -> None:
-        """Forget these requests (unknown ids are ignored)."""
+        """Forget these requests after a failure (unknown ids are ignored)."""
         for rid in request_ids:
-            self.requests.pop(rid, None)
+            self.drop(rid)
+
+    def drop(self, request_id: str) -> None:
+        """Forget one request after a failure (no error if unknown)."""
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            state.dropped = True
 
     def apply(self, step: StepInput) -> tuple[list[Runnable], dict[str, str]]:
         """Apply the step's diff: the runnable requests in the step's order, and the error of
@@ -117,7 +128,7 @@ class RequestTable:
                 )
             if bad:
                 errors[rid] = bad
-                requests.pop(rid, None)  # whatever it held under this id is void too
+                self.drop(rid)  # whatever it held under this id is void too
                 continue
             requests[rid] = state
             runnable.append((state, new.num_computed_tokens, new.num_scheduled_tokens))
@@ -141,7 +152,7 @@ class RequestTable:
                 )
             if bad:
                 errors[rid] = bad
-                requests.pop(rid, None)
+                self.drop(rid)
                 continue
             state.block_ids.extend(new_blocks)
             state.allowed_token_mask = cached.allowed_token_mask or None  # this step's, or none

@@ -21,13 +21,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
 from common.host.device_errors import is_fatal_device_error
 from common.host.lease import LeaseHeld, LeaseLost, SessionLease
 from common.host.request_log import log_failed_requests, log_step_requests
-from common.host.step_pipeline import decoded_ahead, run_ahead
+from common.host.step_pipeline import (
+    OverlapCounts,
+    StepsAhead,
+    decoded_ahead,
+    run_ahead,
+    run_overlapped,
+)
 from common.host.worker_base import WorkerBase
 from common.wire import convert
 from common.wire.ownership import OWNER_TRAILER, SECONDS_LEFT_TRAILER, SESSION_METADATA
@@ -281,9 +288,23 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
 
     def _steps(self, request_iterator, context, session: int, stream: int, owner: str):
         def execute(step: StepInput) -> tuple[StepInput, StepOutput]:
-            return step, self._execute(step, session, stream, owner)
+            return self._finish(self._launch(step, session, stream, owner))
 
-        if self.worker.decode_steps_ahead:
+        def launch(step: StepInput) -> _Launched:
+            return self._launch(step, session, stream, owner)
+
+        counts = None
+        if self.worker.overlaps_steps:
+            counts = OverlapCounts()
+            outputs = run_overlapped(
+                StepsAhead(request_iterator),
+                launch,
+                self._finish,
+                self.worker.step_needs_results,
+                self._launched_done,
+                counts,
+            )
+        elif self.worker.decode_steps_ahead:
             outputs = run_ahead(decoded_ahead(request_iterator), execute)
         else:
             outputs = (execute(convert.step_from_pb(r)) for r in request_iterator)
@@ -292,10 +313,23 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 yield convert.result_to_pb(output, step)  # packed: a token per request
         except _StepAborted as exc:
             context.abort(exc.code, exc.details)
+        finally:
+            if counts is not None:
+                log.info(
+                    "step stream %d: %d of %d steps launched while another was in flight",
+                    stream,
+                    counts.overlapped,
+                    counts.launched,
+                )
 
     def _execute(self, step: StepInput, session: int, stream: int, owner: str = "") -> StepOutput:
         """Run one step on the worker, unless the stream was replaced or its session (of
         `owner`) fenced (_StepAborted)."""
+        return self._finish(self._launch(step, session, stream, owner))[1]
+
+    def _launch(self, step: StepInput, session: int, stream: int, owner: str) -> _Launched:
+        """Start a step on the worker (see ``_execute``); a launch that raises is the step's
+        failure (``_step_failed``)."""
         started = time.perf_counter()
         with self._lock:
             code, replaced = self._replaced(session, stream, owner)
@@ -308,14 +342,29 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
                 )
             log_step_requests(step)
             try:
-                output = self.worker.execute_model(step)
-                self._failed_steps = 0
+                return _Launched(step, started, self.worker.launch_step(step))
             except Exception as exc:
-                output = self._step_failed(step, exc)
+                return _Launched(step, started, None, self._step_failed(step, exc))
+
+    def _launched_done(self, launched: _Launched) -> bool:
+        """Whether a launched step's device work is done (finishing it would not wait)."""
+        return launched.output is not None or self.worker.step_done(launched.handle)
+
+    def _finish(self, launched: _Launched) -> tuple[StepInput, StepOutput]:
+        """The output of a launched step, once its device work is done (a failure there is
+        the step's, as in ``_launch``)."""
+        step, output = launched.step, launched.output
+        if output is None:
+            with self._lock:
+                try:
+                    output = self.worker.finish_step(launched.handle)
+                    self._failed_steps = 0
+                except Exception as exc:
+                    output = self._step_failed(step, exc)
         if not output.device_seconds:
-            output.device_seconds = time.perf_counter() - started
+            output.device_seconds = time.perf_counter() - launched.started
         log_failed_requests(output)
-        return output
+        return step, output
 
     def _step_failed(self, step: StepInput, exc: Exception) -> StepOutput:
         """A step that raised: a device failure ends the stream (and the executor's service);
@@ -334,6 +383,16 @@ class ExecutorServicer(pb_grpc.ExecutorServicer):
             self.worker.model_runner.forget(ids)
         error = f"the step failed on the executor: {exc!r}"[:500]
         return StepOutput(step.step_id, [RequestStepOutput(rid, error=error) for rid in ids])
+
+
+@dataclass
+class _Launched:
+    """A step the servicer launched on the worker."""
+
+    step: StepInput  # the step
+    started: float  # perf_counter() at its launch
+    handle: object  # what the worker's finish_step takes (None when the launch failed)
+    output: StepOutput | None = None  # its output, when known at launch (a failed launch)
 
 
 class _StepAborted(Exception):

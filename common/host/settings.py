@@ -57,6 +57,12 @@ class ExecutorConfig(ModelSourceSettings):
     max_model_len: int = setting(0, "longest sequence; 0 = the model's own")
     seed: int = setting(0, "global seed")
     enforce_eager: bool = setting(False, "skip graph capture / compilation during warm-up")
+    overlap_steps: Literal["auto", "on", "off"] = setting(
+        "auto",
+        "launch each step before the one in flight is finished, so the host builds its inputs "
+        "while the device runs (GPU executor, one rank); auto = on CUDA; on = on the CPU too, "
+        "where a step runs whole at its launch and overlapping only delays results (tests)",
+    )
     chunked_prefill: bool = setting(
         True,
         "report chunked-prefill support to the controller (off: whole prompts only)",

@@ -148,3 +148,30 @@ class WorkerBase(abc.ABC):
     @abc.abstractmethod
     def execute_model(self, step: StepInput) -> StepOutput:
         """Run one step."""
+
+    # --- steps in two halves (an asynchronous device) --------------------------------------
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether the servicer launches the next step before finishing the one in flight
+        (``launch_step`` / ``finish_step``); no unless a worker's device computes apart from
+        the host and its runner splits steps."""
+        return False
+
+    def launch_step(self, step: StepInput) -> object:
+        """Start a step; ``finish_step`` gives its output. Here the step runs whole."""
+        return self.execute_model(step)
+
+    def finish_step(self, launched: object) -> StepOutput:
+        """The output of a step ``launch_step`` started (waiting for its device work)."""
+        assert isinstance(launched, StepOutput)
+        return launched
+
+    def step_done(self, launched: object) -> bool:
+        """Whether a launched step's device work is done (``finish_step`` would not wait)."""
+        return True
+
+    def step_needs_results(self, step: StepInput) -> bool:
+        """Whether ``step`` must wait for the step in flight to finish before its launch (it
+        reads a result of that step on the host)."""
+        return False

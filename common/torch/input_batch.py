@@ -21,6 +21,7 @@ import torch
 from common.host.request_table import RequestState, RequestTable
 from common.host.step_check import StepLimits
 from common.torch.attention import AttentionMetadata
+from common.torch.transfer import to_device
 from common.wire.step_types import StepInput
 
 __all__ = ["InputBatch", "RequestState", "ScheduledRow", "StepBatch"]
@@ -35,6 +36,9 @@ class ScheduledRow:
     num_scheduled: int  # tokens computed in this step
     samples: bool  # the step reaches its last known token: sample the next one
     num_prompt_logprobs: int  # prompt positions whose logprobs this step returns
+    # Index in the state's token_ids of the placeholder its sampled token replaces, where the
+    # runner left one at launch (None: the token is appended when the step finishes).
+    placeholder: int | None = None
 
 
 @dataclass
@@ -47,11 +51,16 @@ class StepBatch:
     token_rows: torch.Tensor  # [T] int64 the row each token belongs to
     attn: AttentionMetadata  # paged-attention metadata
     sample_rows: list[int]  # indices into rows that sample, in order
+    sample_index: torch.Tensor  # [S] int64 the same indices, on the device
     logits_indices: torch.Tensor  # [S] int64 token index of each sampling row's last token
     prompt_lp_rows: list[int]  # indices into rows returning prompt logprobs, in order
     prompt_lp_indices: torch.Tensor  # [P] int64 token indices of those prompt positions
     prompt_lp_targets: torch.Tensor  # [P] int64 the prompt token following each position
     errors: dict[str, str] = field(default_factory=dict)  # request id -> validation error
+    # Some input id is a placeholder for a token the step in flight samples (a negative id,
+    # -1 - its index among that step's samples; common.torch.runner): the runner fills it in
+    # on the device before the forward pass.
+    has_placeholders: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -90,8 +99,8 @@ class InputBatch:
         self.table.clear()
 
     def remove(self, request_id: str) -> None:
-        """Forget one request (no error if unknown)."""
-        self.table.requests.pop(request_id, None)
+        """Forget one request after a failure (no error if unknown)."""
+        self.table.drop(request_id)
 
     def append_token(self, request_id: str, token_id: int) -> None:
         """Record a token sampled for the request."""
@@ -165,13 +174,15 @@ class InputBatch:
             seq_lens,
             tables.reshape(-1),
             np.asarray(logits_idx, np.int64),
+            np.asarray(sample_rows, np.int64),
         ]
         parts += [
             np.concatenate(lp_idx) if lp_idx else np.zeros(0, np.int64),
             np.concatenate(lp_tgt) if lp_tgt else np.zeros(0, np.int64),
         ]
-        dev = torch.from_numpy(np.concatenate(parts)).to(self.device)  # the one host->device copy
-        ids_t, pos_t, rows_t, slot_t, qsl_t, sl_t, tab_t, li_t, lpi_t, lpt_t = dev.split(
+        # The one host->device copy (queued behind the device's work, not waiting for it).
+        dev = to_device(np.concatenate(parts), torch.int64, self.device)
+        ids_t, pos_t, rows_t, slot_t, qsl_t, sl_t, tab_t, li_t, si_t, lpi_t, lpt_t = dev.split(
             [len(p) for p in parts]
         )
         num_decodes = 0  # the leading run of single-token rows
@@ -195,8 +206,10 @@ class InputBatch:
             token_rows=rows_t,
             attn=attn,
             sample_rows=sample_rows,
+            sample_index=si_t,
             logits_indices=li_t,
             prompt_lp_rows=lp_rows,
             prompt_lp_indices=lpi_t,
             prompt_lp_targets=lpt_t,
+            has_placeholders=bool(num_tokens) and int(input_ids.min()) < 0,
         )

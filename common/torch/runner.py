@@ -9,6 +9,12 @@ A step goes through the same stages on every device:
 3. turn those into ``RequestStepOutput``s in the step's order, append sampled tokens to the
    requests' state, drop the state of requests that failed.
 
+Stages 1-2 are ``launch_step`` and 3 is ``finish_step``. A device that computes apart from the
+host splits stage 2 too (``launch_rows`` queues the work, ``finish_rows`` waits for it), so
+that the servicer can launch the next step before finishing this one (executor_gpu.overlap):
+the sampled token of a row then stands in the request's tokens as a placeholder until its step
+is finished (``ScheduledRow.placeholder``), and a request dropped meanwhile is reported unknown.
+
 Model loading, KV-cache allocation and the fabricated rows of warm-up / profiling runs are
 shared too; a device adjusts them through small hooks (``load_device``, ``place_model``,
 ``kv_cache_shape``, ``after_kv_cache_allocated``). Nothing here names a device.
@@ -71,6 +77,17 @@ class RowResults:
     def empty(cls, num_rows: int) -> RowResults:
         """Results with nothing sampled and no logprobs, to fill in."""
         return cls([None] * num_rows, [None] * num_rows, [[] for _ in range(num_rows)])
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued (``TorchModelRunner.launch_step``)."""
+
+    step: StepInput  # the step
+    started: float  # perf_counter() at its launch
+    rows: list[ScheduledRow]  # its validated rows, in batch order
+    errors: dict[str, str]  # request id -> error, for the requests that failed its checks
+    pending: object  # what ``finish_rows`` takes (None: no rows)
 
 
 def prompt_logprob_count(row: ScheduledRow, max_logprobs: int) -> int:
@@ -233,18 +250,61 @@ class TorchModelRunner(ModelRunnerBase):
         its state is dropped, the others are unaffected. A failure of the pass itself is
         raised: a device error (common.host.device_errors) ends the executor, any other fails
         the step's requests (the servicer decides)."""
+        return self.finish_step(self.launch_step(step))
+
+    def launch_step(self, step: StepInput) -> LaunchedStep:
+        """Apply the step's diff and queue its device work (``launch_rows``); the next step may
+        be launched before ``finish_step`` (see ``step_needs_results``)."""
         started = time.perf_counter()
         rows, errors = self.input_batch.schedule(step)
-        outputs = {rid: RequestStepOutput(rid, error=msg) for rid, msg in errors.items()}
-        if rows:
-            outputs.update(self._assemble(rows, self.run_rows(rows)))
+        return LaunchedStep(step, started, rows, errors, self.launch_rows(rows) if rows else None)
+
+    def finish_step(self, launched: LaunchedStep) -> StepOutput:
+        """The output of a launched step, in the step's order: its rows' results (waiting for
+        the device) and the errors of the requests that failed."""
+        step = launched.step
+        outputs = {rid: RequestStepOutput(rid, error=msg) for rid, msg in launched.errors.items()}
+        if launched.rows:
+            results = self.finish_rows(launched.pending)
+            outputs.update(self._assemble(launched.rows, results))
         order = [r.request_id for r in step.new_requests] + [
             r.request_id for r in step.cached_requests
         ]
         ordered = [outputs.pop(rid) for rid in order if rid in outputs]
         return StepOutput(
-            step_id=step.step_id, outputs=ordered, device_seconds=time.perf_counter() - started
+            step_id=step.step_id,
+            outputs=ordered,
+            device_seconds=time.perf_counter() - launched.started,
         )
+
+    def step_needs_results(self, step: StepInput) -> bool:
+        """Whether ``step`` reads a token the step in flight has not brought to the host yet
+        (a request with penalties counts its generated tokens there): launch it only after
+        that step is finished."""
+        requests = self.input_batch.requests
+        for cached in step.cached_requests:
+            state = requests.get(cached.request_id)
+            if state is not None and state.token_ids[-1] < 0 and state.sampling.has_penalties:
+                return True
+        return False
+
+    def step_done(self, launched: LaunchedStep) -> bool:
+        """Whether a launched step's device work is done (``finish_step`` would not wait)."""
+        return launched.pending is None or self.rows_done(launched.pending)
+
+    def rows_done(self, pending: object) -> bool:
+        """Whether the rows ``launch_rows`` started are done (here they ran whole)."""
+        return True
+
+    def launch_rows(self, rows: list[ScheduledRow]) -> object:
+        """Queue the device work of validated rows; ``finish_rows`` gives their host results.
+        Here they run whole (``run_rows``)."""
+        return self.run_rows(rows)
+
+    def finish_rows(self, pending: object) -> RowResults:
+        """The host results of rows ``launch_rows`` started."""
+        assert isinstance(pending, RowResults)
+        return pending
 
     @abc.abstractmethod
     def run_rows(self, rows: list[ScheduledRow]) -> RowResults:
@@ -256,6 +316,9 @@ class TorchModelRunner(ModelRunnerBase):
         outputs: dict[str, RequestStepOutput] = {}
         for i, row in enumerate(rows):
             rid = row.state.request_id
+            if row.state.dropped:  # let go after a failure while this step was in flight
+                outputs[rid] = RequestStepOutput(rid, error="unknown request")
+                continue
             if i in results.failed:
                 outputs[rid] = RequestStepOutput(rid, error="non-finite values in the forward")
                 self.input_batch.remove(rid)
@@ -265,7 +328,10 @@ class TorchModelRunner(ModelRunnerBase):
             if token is not None:
                 out.sampled_token_id = token
                 out.logprobs = results.logprobs[i]
-                row.state.token_ids.append(token)
+                if row.placeholder is None:
+                    row.state.token_ids.append(token)
+                else:  # launch_rows left a placeholder the next step may already compute
+                    row.state.token_ids[row.placeholder] = token
             outputs[rid] = out
         return outputs
 

@@ -41,6 +41,7 @@ from common.torch.logprobs import LogprobsTensors as LogprobsTensors
 from common.torch.logprobs import compute_logprobs as compute_logprobs
 from common.torch.logprobs import compute_prompt_logprobs as compute_prompt_logprobs
 from common.torch.token_mask import apply_token_masks, keep_some_token, mask_tensors
+from common.torch.transfer import to_device
 from common.wire.step_types import SamplingParams
 
 #: Candidates kept for rows with top-p but no top-k before checking they hold the nucleus.
@@ -132,7 +133,7 @@ def _random_group(
     tops = [min(max(p.top_p, 0.0), 1.0) for p in ps]
 
     def t(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=device)
+        return to_device(values, dtype, device)
 
     seeded = [j for j, p in enumerate(ps) if p.seed is not None]
     return RandomGroup(
@@ -179,7 +180,7 @@ def build_sampling_metadata(
     asked = [k for k in num_lp if k is not None]
     meta = SamplingMetadata(
         num_rows=len(params),
-        greedy_rows=torch.tensor(greedy, dtype=torch.int64, device=device) if greedy else None,
+        greedy_rows=to_device(greedy, torch.int64, device) if greedy else None,
         random_groups=[
             _random_group(g, params, positions, vocab_size, device)
             for g in (full, sorted(truncated))
@@ -204,13 +205,13 @@ def build_sampling_metadata(
             if 0 <= t < vocab_size
         ]
         if pairs:
-            meta.suppress_rows = torch.tensor([r for r, _ in pairs], device=device)
-            meta.suppress_ids = torch.tensor([t for _, t in pairs], device=device)
+            meta.suppress_rows = to_device([r for r, _ in pairs], torch.int64, device)
+            meta.suppress_ids = to_device([t for _, t in pairs], torch.int64, device)
     if pen:
         pp = [params[i] for i in pen]
 
         def t(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, dtype, device)
 
         meta.penalty_rows = t(pen, torch.int64)
         meta.presence = t([p.presence_penalty for p in pp], torch.float32)

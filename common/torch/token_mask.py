@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from common.torch.transfer import to_device
+
 
 def mask_tensors(
     masks: Sequence[bytes | None] | None, device: torch.device | str
@@ -29,10 +31,11 @@ def mask_tensors(
     if not masked:
         return None, None
     joined = bytearray(b"".join(masks[i] for i in masked))  # a writable buffer for frombuffer
-    packed = torch.frombuffer(joined, dtype=torch.uint8).view(len(masked), -1).to(device)
+    packed = to_device(torch.frombuffer(joined, dtype=torch.uint8), torch.uint8, device)
+    packed = packed.view(len(masked), -1)
     if len(masked) == len(masks):
         return None, packed
-    return torch.tensor(masked, dtype=torch.int64, device=device), packed
+    return to_device(masked, torch.int64, device), packed
 
 
 #: Per (device, dtype): row b of the table is byte value b unpacked into 8 additive logit

@@ -288,6 +288,8 @@ def test_gpu_step_benchmark_smoke_on_the_cpu(tmp_path):
     assert {(1, 20, "graph"), (3, 20, "fused"), (3, 40, "graph")} <= variants
     assert all(r["ms"] > 0 and r["kv_bytes"] > 0 for r in report["forward"])
     assert report["executor_step_ms"] > 0
+    steps = report["executor_steps"]  # one at a time and overlapped, three rounds each
+    assert len(steps["rounds"]["overlapped_ms"]) == 3 and steps["overlapped_ms"] > 0
     # Prefill: the runner's path ("old") and the Triton kernel under the interpreter ("new"),
     # attention alone and the forward pass, every case.
     assert report["prefill_backends"]["new"] == "triton_paged"

@@ -13,17 +13,14 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from common.host.settings import ExecutorConfig  # noqa: E402
-from common.wire.model_config import load_model_geometry  # noqa: E402
 from common.wire.step_types import (  # noqa: E402
     CachedRequestData,
     NewRequestData,
     SamplingParams,
     StepInput,
 )
-from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
 from tests.executor_gpu.cuda.test_decode_graphs import count_replays  # noqa: E402
-from tests.support.mini_controller import BLOCK  # noqa: E402
+from tests.support.cpu_runner import cpu_runner  # noqa: E402
 from tests.support.tiny_models import VOCAB, random_prompts, save_tiny_checkpoint  # noqa: E402
 from tests.support.token_masks import pack_mask  # noqa: E402
 
@@ -32,13 +29,7 @@ from tests.support.token_masks import pack_mask  # noqa: E402
 def tiny(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("mask-qwen3"))
     hf = save_tiny_checkpoint("qwen3", path)
-    cfg = ExecutorConfig(
-        model=path, device="cpu", block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=64
-    )
-    runner = GPUModelRunner(cfg, load_model_geometry(path))
-    runner.load_model()
-    runner.initialize_kv_cache(64)
-    runner.enable_decode_graphs(capture=False)
+    runner = cpu_runner(path, graphs=True)
     return runner, hf
 
 

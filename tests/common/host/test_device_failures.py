@@ -13,6 +13,7 @@ from common.host.device_errors import FatalDeviceError, is_fatal_device_error
 from common.host.servicer import ExecutorServicer, _StepAborted
 from common.host.settings import ExecutorConfig
 from common.torch.runner import TorchModelRunner
+from common.wire import convert
 from common.wire.config import ModelGeometry
 from common.wire.pb import executor_pb2 as pb
 from common.wire.step_types import NewRequestData, SamplingParams, StepInput
@@ -161,3 +162,67 @@ def test_the_torch_runner_raises_a_failed_pass_for_the_servicer_to_judge():
     assert is_fatal_device_error(exc.value)
     bad = StepInput(2, [NewRequestData("x", [1, 500], [], SamplingParams(), [1], 0, 2)])
     assert "token id outside" in runner.execute_model(bad).outputs[0].error  # rejected first
+
+
+class _OverlappingSimWorker(SimWorker):
+    """A simulated worker whose steps come in two halves, as an overlapping GPU worker's do:
+    the step runs (and an injected fault strikes) at its finish, or at its launch when
+    ``fail_at_launch``."""
+
+    fail_at_launch = False
+    calls: list[str]
+
+    @property
+    def overlaps_steps(self) -> bool:
+        return True
+
+    def launch_step(self, step: StepInput) -> object:
+        self.calls.append(f"launch {step.step_id}")
+        return self.execute_model(step) if self.fail_at_launch else step
+
+    def finish_step(self, launched) -> object:
+        step_id = launched.step_id
+        self.calls.append(f"finish {step_id}")
+        return launched if self.fail_at_launch else self.execute_model(launched)
+
+    def step_done(self, launched) -> bool:
+        return False  # "the device is busy": a step that has arrived is always launched first
+
+
+def _overlapped_stream(default_model_dir: str, fault: str, fail_at_launch: bool, steps):
+    options = SimOptions(fault=fault, fault_token_id=POISON, step_fixed_ms=0.0)
+    worker = _OverlappingSimWorker(ExecutorConfig(model=default_model_dir), options)
+    worker.calls, worker.fail_at_launch = [], fail_at_launch
+    servicer = ExecutorServicer(worker, max_failed_steps=3)
+    servicer.InitDevice(pb.InitDeviceRequest(max_num_batched_tokens=64, max_num_seqs=4), _Context())
+    servicer.InitializeCache(pb.InitializeCacheRequest(num_blocks=32), _Context())
+    requests = [convert.step_to_pb(s) for s in steps]
+    results = []
+    try:
+        for result in servicer.ExecuteModel(iter(requests), _Context()):
+            results.append(result)
+    except _Aborted as exc:
+        return worker, results, exc
+    return worker, results, None
+
+
+@pytest.mark.parametrize("fail_at_launch", [False, True], ids=["at-finish", "at-launch"])
+def test_overlapped_steps_fail_alone_and_in_order(default_model_dir, fail_at_launch):
+    steps = [_step(1, [5, 6]), _step(2, [1, POISON]), _step(3, [7, 8])]
+    worker, results, aborted = _overlapped_stream(default_model_dir, "step", fail_at_launch, steps)
+    assert aborted is None and [r.step_id for r in results] == [1, 2, 3]
+    outputs = [convert.result_from_pb(r).outputs for r in results]
+    assert not any(o.error for o in outputs[0] + outputs[2])
+    assert all("the step failed" in o.error for o in outputs[1])
+    if not fail_at_launch:  # each step was launched before the one before it was finished
+        assert worker.calls[:3] == ["launch 1", "launch 2", "finish 1"]
+
+
+def test_an_overlapped_device_error_ends_the_stream_after_the_results_before_it(
+    default_model_dir,
+):
+    steps = [_step(1, [5, 6]), _step(2, [1, POISON]), _step(3, [7, 8])]
+    worker, results, aborted = _overlapped_stream(default_model_dir, "device", False, steps)
+    assert [r.step_id for r in results] == [1]
+    assert aborted is not None and aborted.code == grpc.StatusCode.UNAVAILABLE
+    assert worker.calls[:3] == ["launch 1", "launch 2", "finish 1"]

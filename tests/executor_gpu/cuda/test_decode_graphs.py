@@ -13,12 +13,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from common.host.settings import ExecutorConfig  # noqa: E402
 from common.torch.attention import AttentionMetadata  # noqa: E402
-from common.wire.model_config import load_model_geometry  # noqa: E402
 from executor_gpu.cuda.graphs import DecodeGraphs, capture_sizes  # noqa: E402
-from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
-from tests.support.mini_controller import BLOCK, MiniController  # noqa: E402
+from tests.support.cpu_runner import cpu_runner  # noqa: E402
+from tests.support.mini_controller import MiniController  # noqa: E402
 
 
 def count_replays(runner) -> list[bool]:
@@ -127,13 +125,7 @@ def tiny_checkpoint(tmp_path_factory):
 
 def test_padded_decode_path_matches_hf_generate(tiny_checkpoint):
     path, hf = tiny_checkpoint
-    cfg = ExecutorConfig(
-        model=path, device="cpu", block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=64
-    )
-    runner = GPUModelRunner(cfg, load_model_geometry(path))
-    runner.load_model()
-    runner.initialize_kv_cache(64)
-    runner.enable_decode_graphs(capture=False)
+    runner = cpu_runner(path, graphs=True)
     replays = count_replays(runner)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 19, 33)]
