@@ -55,6 +55,28 @@ def decode_step(runner: GPUModelRunner, lengths: list[int], step_id: int) -> lis
     return [o.sampled_token_id for o in out.outputs]
 
 
+def overlapped_decodes(
+    runner: GPUModelRunner, prompts: list[list[int]], steps: int
+) -> list[list[int]]:
+    """Greedy tokens of ``prompts`` (a prefill step, then ``steps`` decode steps), each decode
+    launched before the one before it is finished, as the servicer runs them with
+    --overlap-steps (executor_gpu.overlap)."""
+    runner.reset()
+    outputs = [[t] for t in start_requests(runner, prompts)]
+
+    def take(launched) -> None:
+        for tokens, out in zip(outputs, runner.finish_step(launched).outputs):
+            tokens.append(out.sampled_token_id)
+
+    launched = runner.launch_step(decode_input([len(p) + 1 for p in prompts], 1))
+    for step in range(2, steps + 1):  # step k decodes the token step k-1 is sampling
+        following = runner.launch_step(decode_input([len(p) + step for p in prompts], step))
+        take(launched)
+        launched = following
+    take(launched)
+    return outputs
+
+
 def time_executor_step(
     runner: GPUModelRunner, batch: int, context: int, steps: int, overlapped: bool = False
 ) -> float:

@@ -44,6 +44,7 @@ import torch  # noqa: E402
 from benchmarks.gpu_executor_step import (  # noqa: E402
     compare_executor_steps,
     decode_step,
+    overlapped_decodes,
     profile_executor_step,
     start_requests,
 )
@@ -131,6 +132,7 @@ def check_tiny_vs_hf(device: torch.device, smoke: bool) -> dict:
         tokens = decode_step(runner, [len(p) + len(o) for p, o in zip(prompts, outputs)], step)
         for o, t in zip(outputs, tokens):
             o.append(t)
+    overlapped = overlapped_decodes(runner, prompts, 23)
     same = 0
     for p, o in zip(prompts, outputs):
         with torch.inference_mode():
@@ -146,6 +148,7 @@ def check_tiny_vs_hf(device: torch.device, smoke: bool) -> dict:
         "graphs_captured": graphs,
         "requests": len(prompts),
         "token_identical": same,
+        "overlapped_identical": sum(a == b for a, b in zip(overlapped, outputs)),
         "tokens_each": len(outputs[0]),
     }
 

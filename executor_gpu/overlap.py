@@ -51,9 +51,14 @@ def leave_placeholders(rows: list[ScheduledRow], sample_rows: list[int]) -> None
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` in host memory, queued without waiting (pinned memory for CUDA). A CPU
-    tensor is copied too: the next launch may reuse its buffer (the logits scan's argmax)."""
-    return t.clone() if t.device.type == "cpu" else t.to("cpu", non_blocking=True)
+    """A copy of ``t`` in host memory, queued without waiting: into pinned memory, which a
+    copy from CUDA fills asynchronously (into pageable memory it would wait for the step). A
+    CPU tensor is copied too: the next launch may reuse its buffer (the logits scan's
+    argmax)."""
+    if t.device.type == "cpu":
+        return t.clone()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
 
 
 @dataclass

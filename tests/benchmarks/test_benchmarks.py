@@ -284,6 +284,7 @@ def test_gpu_step_benchmark_smoke_on_the_cpu(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["tiny_vs_hf"]["token_identical"] == report["tiny_vs_hf"]["requests"] == 4
+    assert report["tiny_vs_hf"]["overlapped_identical"] == 4  # steps launched ahead: same tokens
     variants = {(r["batch"], r["context"], r["variant"]) for r in report["forward"]}
     assert {(1, 20, "graph"), (3, 20, "fused"), (3, 40, "graph")} <= variants
     assert all(r["ms"] > 0 and r["kv_bytes"] > 0 for r in report["forward"])
