@@ -39,6 +39,7 @@ from common.torch.sampling import (
     compute_prompt_logprobs,
 )
 from common.wire.config import ModelGeometry
+from common.wire.step_types import StepInput
 from executor_gpu.cpu import kernels as cpu_kernels
 from executor_gpu.cuda.graphs import DecodeGraphs
 from executor_gpu.overlap import PendingRows, fill_placeholders, leave_placeholders
@@ -295,12 +296,18 @@ class GPUModelRunner(WarmUp, TorchModelRunner):
         for cache in self.kv_caches:
             cache.view(2, -1, *cache.shape[3:])[:, slots] = 0
 
+    def step_needs_results(self, step: StepInput) -> bool:
+        """Never: a penalty row's history may end in a token still being sampled, and its
+        placeholder is filled in on the device like an input's (``_sampling_metadata``)."""
+        return False
+
     def _sampling_metadata(self, states: list[RequestState]):
-        """Sampling tensors of the sampling rows (token histories only for penalty rows; the
-        structured-output masks of this step's constrained rows)."""
+        """Sampling tensors of the sampling rows (token histories only for penalty rows, with
+        the placeholders of tokens in flight filled in on the device; the structured-output
+        masks of this step's constrained rows)."""
         params = [s.sampling for s in states]
         pen = [p.has_penalties for p in params]
-        return build_sampling_metadata(
+        meta = build_sampling_metadata(
             params,
             positions=[len(s.token_ids) for s in states],
             prompt_ids=[s.prompt_token_ids if pen[i] else () for i, s in enumerate(states)],
@@ -311,6 +318,12 @@ class GPUModelRunner(WarmUp, TorchModelRunner):
             num_outputs=[s.num_output_tokens for s in states],
             masks=[s.allowed_token_mask for s in states],
         )
+        in_flight = self._in_flight_samples  # (a no-op on histories without placeholders)
+        if in_flight is not None and meta.output_tokens is not None:
+            meta.output_tokens = fill_placeholders(meta.output_tokens, in_flight)
+        if in_flight is not None and meta.seen_tokens is not None:
+            meta.seen_tokens = fill_placeholders(meta.seen_tokens, in_flight)
+        return meta
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch) -> dict[int, list]:
         """Prompt logprobs of the positions computed in this step, per row index."""

@@ -8,9 +8,10 @@ come back in ``finish_rows``. Between the two the servicer may launch the next s
   not have yet. At launch, each sampling row's request gets a placeholder token appended:
   ``-1 - j``, j being the row's index among the step's samples (token ids are never negative:
   the step checks refuse them). A step built over placeholders fills them in on the device from
-  the sampled-token tensor of the step in flight (``fill_placeholders``); finishing step N
-  writes the real tokens over its placeholders. Only one step is ever in flight at a launch,
-  so a placeholder always refers to the previous launch's samples.
+  the sampled-token tensor of the step in flight (``fill_placeholders``): in its input ids, and
+  in the token histories of its rows with penalties. Finishing step N writes the real tokens
+  over its placeholders. Only one step is ever in flight at a launch, so a placeholder always
+  refers to the previous launch's samples.
 - **Results copied behind an event.** The sampled tokens, the rows' finiteness and the
   logprobs are copied to pinned host memory without waiting, and an event is recorded after
   the copies (``PendingRows``); ``results`` waits for that event alone. Every host-to-device
@@ -33,13 +34,14 @@ from common.torch.runner import RowResults
 from common.wire.step_types import TokenLogprobs
 
 
-def fill_placeholders(input_ids: torch.Tensor, in_flight: torch.Tensor | None) -> torch.Tensor:
-    """``input_ids`` with every placeholder (``-1 - j``) replaced by ``in_flight[j]``, the
-    tokens the step in flight samples (on the device, no host wait)."""
+def fill_placeholders(token_ids: torch.Tensor, in_flight: torch.Tensor | None) -> torch.Tensor:
+    """``token_ids`` (any shape: a step's input ids, penalty rows' histories) with every
+    placeholder (``-1 - j``) replaced by ``in_flight[j]``, the tokens the step in flight
+    samples (on the device, no host wait)."""
     if in_flight is None:
         raise RuntimeError("a step refers to sampled tokens, but no step that samples is in flight")
-    index = (-1 - input_ids).clamp_(min=0)
-    return torch.where(input_ids >= 0, input_ids, in_flight.index_select(0, index))
+    index = (-1 - token_ids).clamp_(min=0)
+    return torch.where(token_ids >= 0, token_ids, torch.take(in_flight, index))
 
 
 def leave_placeholders(rows: list[ScheduledRow], sample_rows: list[int]) -> None:

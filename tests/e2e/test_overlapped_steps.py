@@ -35,7 +35,7 @@ def test_overlapped_steps_serve_exactly_under_pressure(overlapped_server, hf):
     s = overlapped_server
     assert_exact_under_pressure(s, hf)
 
-    # Logprobs and a repetition penalty (whose steps wait for the tokens in flight) beside
+    # Logprobs and a repetition penalty (over a history holding the token in flight) beside
     # greedy requests, all at once; the penalized one again alone.
     async def run():
         client = s.async_client()

@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from common.torch.runner import TorchModelRunner  # noqa: E402
 from common.wire.step_types import (  # noqa: E402
     CachedRequestData,
     NewRequestData,
@@ -54,6 +55,8 @@ def test_the_overlap_is_on_for_cuda_and_forced_on_the_cpu(tiny):
 def test_placeholders_are_filled_from_the_step_in_flight():
     ids = torch.tensor([5, -1, 7, -3, -2])
     assert fill_placeholders(ids, torch.tensor([40, 41, 42])).tolist() == [5, 40, 7, 42, 41]
+    history = torch.tensor([[3, -2, 9], [-1, 9, 9]])  # penalty rows' histories, padded
+    assert fill_placeholders(history, torch.tensor([40, 41])).tolist() == [[3, 41, 9], [40, 9, 9]]
     with pytest.raises(RuntimeError, match="no step that samples is in flight"):
         fill_placeholders(ids, None)
 
@@ -95,18 +98,24 @@ def test_sampling_logprobs_and_penalties_match_one_step_at_a_time(tiny):
         SamplingParams(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.5),
         SamplingParams(temperature=0.0, logprobs=0, min_tokens=4, stop_token_ids=[3]),
     ]
-    needs = []
+    needs, in_flight = [], []
     original = runner.step_needs_results
 
     def recording(step):
         needs.append(original(step))
+        # What a runner reading histories on the host would say: a penalty row's history
+        # ends in a token still being sampled.
+        in_flight.append(TorchModelRunner.step_needs_results(runner, step))
         return needs[-1]
 
     runner.step_needs_results = recording
     stepped = _run(runner, False, sampling, prompts)
     overlapped = _run(runner, True, sampling, prompts)
     assert overlapped == stepped
-    assert any(needs)  # the penalty request made steps wait for its tokens
+    # The penalized request's history held tokens in flight, filled in on the device: no step
+    # had to wait for them.
+    assert any(in_flight)
+    assert needs and not any(needs)
 
 
 def _new(rid, prompt, blocks, n):
