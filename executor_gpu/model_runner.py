@@ -85,7 +85,8 @@ class GPUModelRunner(WarmUp, TorchModelRunner):
         self.stack_forward_of = None  # builds the model's one-call decoder stack, where it has one
         self.graphs: DecodeGraphs | None = None  # decode replay, set up by capture_model
         self.scan_logits = None  # float32 logits -> (argmax, finite) per row in one pass (CPU)
-        self._in_flight_samples: torch.Tensor | None = None  # the last launch's sampled tokens
+        # The sampled tokens of the step in flight (launched, not finished), if it samples.
+        self._in_flight_samples: torch.Tensor | None = None
         self._resets = 0  # resets and cache reallocations so far (a pending step's scrub)
         if self.device.type == "cuda" and self._cuda_kernels_apply():
             try:
@@ -262,7 +263,7 @@ class GPUModelRunner(WarmUp, TorchModelRunner):
         )
         if batch.prompt_lp_rows:  # waits for the device: such a step is not overlapped
             pending.prompt_logprobs = self._prompt_logprobs(hidden, batch)
-        self._in_flight_samples = sampled
+        self._in_flight_samples = pending.samples = sampled
         leave_placeholders(rows, batch.sample_rows)
         return pending
 
@@ -274,6 +275,8 @@ class GPUModelRunner(WarmUp, TorchModelRunner):
         """The rows' host results (waiting for their copy); the cache slots that rows which
         failed (or whose request was let go meanwhile) wrote are zeroed."""
         results = pending.results()
+        if pending.samples is self._in_flight_samples:  # no launch since: nothing in flight
+            self._in_flight_samples = None  # (the next step fills in no placeholder)
         if pending.resets == self._resets:  # a reset since: the cache is another session's
             rows = pending.batch.rows
             for i in sorted(results.failed | {i for i, r in enumerate(rows) if r.state.dropped}):
@@ -318,7 +321,7 @@ class GPUModelRunner(WarmUp, TorchModelRunner):
             num_outputs=[s.num_output_tokens for s in states],
             masks=[s.allowed_token_mask for s in states],
         )
-        in_flight = self._in_flight_samples  # (a no-op on histories without placeholders)
+        in_flight = self._in_flight_samples  # a step in flight: histories may end in its token
         if in_flight is not None and meta.output_tokens is not None:
             meta.output_tokens = fill_placeholders(meta.output_tokens, in_flight)
         if in_flight is not None and meta.seen_tokens is not None:

@@ -75,6 +75,7 @@ class PendingRows:
     event: torch.cuda.Event | None  # recorded after the copies (CUDA); None: they are done
     resets: int  # the runner's reset count at launch (a reset since: no scrubbing)
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # by row
+    samples: torch.Tensor | None = None  # the device's sampled tokens (placeholders' source)
 
     @classmethod
     def start(
