@@ -4,10 +4,11 @@ Each elementwise op is one kernel instead of the 3 to 8 eager operators of the t
 RMSNorm (with the residual add folded in, the residual updated in place), RoPE in place on the
 query and key heads (reading the cos|sin table by position, so no per-step table gather), and
 SiLU-and-multiply. The arithmetic is done in float32 and rounded once to the model's dtype.
-Linear layers and the logits stay on cuBLAS (torch's set): a split-K Triton product for
-decode-sized batches was measured slower than cuBLAS on an H200 (benchmarks/README.md). A
-decode step of a 32-layer model is then 9 launches per layer, which CUDA graphs replay with no
-host work.
+Linear layers and the logits stay on cuBLAS: Triton products for decode-sized batches (split-K,
+and a sweep of tiles and splits in benchmarks/gpu_linear.py) were measured slower than cuBLAS on
+an H200 (benchmarks/README.md); the logits are cuBLAS's product in its own layout. A decode
+step of a 32-layer model is then 9 launches per layer, which CUDA graphs replay with no host
+work.
 
 The kernels also run under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors.
 """
@@ -167,6 +168,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Float32 logits of hidden rows against the [vocab, hidden] output embedding, rounded to
+    the model's dtype first (as the torch set). cuBLAS's own layout (``hidden @ weight^T``)
+    writes the rows in order, so the cast to float32 is one contiguous pass; the torch set's
+    ``(weight @ hidden^T)^T`` (for CPU libraries) costs a strided cast and a copy on CUDA, 84 us
+    of a 5.5 ms batch-64 replay on an H200."""
+    return torch.nn.functional.linear(hidden, weight).float()
+
+
 #: The CUDA set: Triton elementwise kernels; cuBLAS for the linear layers and the logits.
 CUDA_LAYER_OPS = LayerOps(
     "cuda_fused",
@@ -178,5 +188,5 @@ CUDA_LAYER_OPS = LayerOps(
     rotary,
     silu_and_mul,
     TORCH_LAYER_OPS.prepare_logits,
-    TORCH_LAYER_OPS.logits,
+    logits,
 )

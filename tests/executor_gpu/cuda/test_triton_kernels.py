@@ -199,6 +199,20 @@ def test_silu_and_mul_matches_reference(dtype):
         torch.testing.assert_close(ops.silu_and_mul(x), TORCH_LAYER_OPS.silu_and_mul(x), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_match_reference(dtype):
+    """The CUDA set's logits (rows-in-order product, then float32) against the torch set's:
+    float32 [rows, vocab], contiguous, the same values (bf16: rounded to bf16 by both)."""
+    torch.manual_seed(7)
+    hidden = torch.randn(5, 64).to(dtype)
+    weight = (torch.randn(1000, 64) * 0.1).to(dtype)
+    got = ops.CUDA_LAYER_OPS.logits(hidden, ops.CUDA_LAYER_OPS.prepare_logits(weight))
+    want = TORCH_LAYER_OPS.logits(hidden, TORCH_LAYER_OPS.prepare_logits(weight))
+    assert got.dtype == torch.float32 and got.shape == (5, 1000) and got.is_contiguous()
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(got, want, **tol)
+
+
 def test_kernels_compile_for_sm90():
     """The compiler's own checks (types of loop-carried values, layouts), which the interpreter
     skips: every kernel is compiled to a Hopper cubin in a separate process."""
