@@ -4,6 +4,7 @@ goes; part of benchmarks/gpu_step.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -78,35 +79,49 @@ def overlapped_decodes(
 
 
 def time_executor_step(
-    runner: GPUModelRunner, batch: int, context: int, steps: int, overlapped: bool = False
+    runner: GPUModelRunner,
+    batch: int,
+    context: int,
+    steps: int,
+    overlapped: bool = False,
+    around=contextlib.nullcontext,
 ) -> float:
     """Median wall seconds per decode step: ``execute_model`` one step at a time (graphs
     replayed where captured), or each step launched before the previous one is finished, as
     the servicer runs them with --overlap-steps (executor_gpu.overlap): then the time between
-    two finishes."""
+    two finishes. ``around()`` is entered around the decode steps alone (a profiler)."""
     runner.reset()
     vocab = runner.geometry.vocab_size
     prompts = [[(7 * i + j) % vocab for j in range(context)] for i in range(batch)]
     times = []
     with torch.inference_mode():
         start_requests(runner, prompts, computed=context - 1)
-        if not overlapped:
-            for step in range(1, steps + 1):
-                t0 = time.perf_counter()
-                decode_step(runner, [context + step] * batch, step)  # ends in a device->host copy
-                times.append(time.perf_counter() - t0)
-        else:
-            launched = runner.launch_step(decode_input([context + 1] * batch, 1))
-            last = time.perf_counter()
-            for step in range(2, steps + 2):  # step k decodes the token k-1 is sampling
-                following = runner.launch_step(decode_input([context + step] * batch, step))
-                runner.finish_step(launched)
-                now = time.perf_counter()
-                times.append(now - last)
-                last, launched = now, following
-            runner.finish_step(launched)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()  # the prefill step stays out of a profile around the decodes
+        with around():
+            _decode_steps(runner, batch, context, steps, overlapped, times)
     runner.reset()
     return statistics.median(times[2:] or times)
+
+
+def _decode_steps(runner, batch: int, context: int, steps: int, overlapped: bool, times) -> None:
+    """Decode steps of every request, one at a time (``steps``) or overlapped (``steps`` + 1
+    launches, ``steps`` timed); appends each step's wall seconds to ``times``."""
+    if not overlapped:
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            decode_step(runner, [context + step] * batch, step)  # ends in a device->host copy
+            times.append(time.perf_counter() - t0)
+        return
+    launched = runner.launch_step(decode_input([context + 1] * batch, 1))
+    last = time.perf_counter()
+    for step in range(2, steps + 2):  # step k decodes the token k-1 is sampling
+        following = runner.launch_step(decode_input([context + step] * batch, step))
+        runner.finish_step(launched)
+        now = time.perf_counter()
+        times.append(now - last)
+        last, launched = now, following
+    runner.finish_step(launched)
 
 
 def compare_executor_steps(runner: GPUModelRunner, batch: int, context: int) -> dict:
@@ -145,3 +160,38 @@ def profile_executor_step(runner: GPUModelRunner, batch: int, context: int) -> l
             }
         )
     return sorted(rows, key=lambda r: -r["tottime_ms_per_step"])[:25]
+
+
+def profile_overlapped_steps(runner: GPUModelRunner, batch: int, context: int) -> dict:
+    """The device's side of overlapped decode steps (CUPTI, 12 steps): wall ms per step, the
+    device's busy ms per step (kernels and copies, which one stream runs one after another),
+    and the largest kernels and copies by device time per step, graph replays' kernels
+    included. Busy below the wall is the device waiting for the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = 12
+    holder: dict = {}
+
+    @contextlib.contextmanager
+    def around():
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            yield
+            torch.cuda.synchronize()
+        holder["prof"] = prof
+
+    wall = time_executor_step(runner, batch, context, steps, overlapped=True, around=around)
+    events = [e for e in holder["prof"].key_averages() if e.device_time_total > 0]
+    busy_us = sum(e.device_time_total for e in events) / (steps + 1)
+    rows = [
+        {
+            "kernel": e.key[:90],
+            "calls": e.count / (steps + 1),
+            "us_per_step": e.device_time_total / (steps + 1),
+        }
+        for e in events
+    ]
+    return {
+        "wall_ms": wall * 1e3,
+        "busy_ms": busy_us / 1e3,
+        "kernels": sorted(rows, key=lambda r: -r["us_per_step"])[:30],
+    }

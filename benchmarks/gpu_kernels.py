@@ -123,21 +123,6 @@ def check_kernels(device: torch.device) -> dict:
     return out
 
 
-def time_gemms(device: torch.device, dtype: torch.dtype, rows: list[int]) -> list[dict]:
-    """cuBLAS on the linear layers' shapes at decode row counts (the model's [in, out] layout),
-    as achieved weight bandwidth."""
-    out = []
-    for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
-        w = torch.randn(k, n, device=device).to(dtype)
-        mb = w.numel() * w.element_size() / 1e6
-        for m in rows:
-            x = torch.randn(m, k, device=device).to(dtype)
-            ms = event_median_ms(lambda x=x, w=w: torch.mm(x, w))
-            out.append({"k": k, "n": n, "m": m, "ms": ms, "TBps": mb / ms / 1e3})
-        del w
-    return out
-
-
 def graph_time_us(fn, calls: int = 10) -> float:
     """Microseconds per call of ``fn`` replayed from a CUDA graph of ``calls`` calls (no
     launch overhead in the figure)."""

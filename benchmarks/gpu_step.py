@@ -46,6 +46,7 @@ from benchmarks.gpu_executor_step import (  # noqa: E402
     decode_step,
     overlapped_decodes,
     profile_executor_step,
+    profile_overlapped_steps,
     start_requests,
 )
 from benchmarks.gpu_kernels import (  # noqa: E402
@@ -55,19 +56,18 @@ from benchmarks.gpu_kernels import (  # noqa: E402
     event_median_ms,
     fabricated_meta,
     sweep_attention,
-    time_gemms,
 )
 from benchmarks.gpu_prefill import (  # noqa: E402
     CASES,
     SMOKE_CASES,
     check_prefill_kernel,
     prefill_backends,
-    print_prefill,
     summary,
     time_attention,
     time_prefill_forward,
 )
-from benchmarks.gpu_tuning import print_tuning, tune_prefill  # noqa: E402
+from benchmarks.gpu_report import print_report  # noqa: E402
+from benchmarks.gpu_tuning import tune_prefill  # noqa: E402
 from common.host.settings import ExecutorConfig  # noqa: E402
 from common.torch.models.layer_ops import TORCH_LAYER_OPS  # noqa: E402
 from common.wire.model_config import load_model_geometry  # noqa: E402
@@ -288,7 +288,8 @@ def main(argv=None) -> None:
     p.add_argument(
         "--profile-host",
         action="store_true",
-        help="also: cProfile of execute_model steps at the largest batch",
+        help="also: cProfile of execute_model steps and CUPTI of overlapped steps (the "
+        "device's busy time, kernels outside the graph) at the largest batch",
     )
     p.add_argument(
         "--tensor-parallel-size",
@@ -390,6 +391,11 @@ def main(argv=None) -> None:
         section(
             report, "host_profile", lambda: profile_executor_step(runner, max(batches), a.context)
         )
+        section(
+            report,
+            "overlap_profile",
+            lambda: profile_overlapped_steps(runner, max(batches), a.context),
+        )
     if not smoke and a.sweep and not sharded:  # last: this one re-lays the weights out
         section(
             report,
@@ -414,8 +420,6 @@ def main(argv=None) -> None:
         read = report["streamed_weight_bytes"] + r["kv_bytes"]
         ok = isinstance(copy_rate, float)
         r["over_copy"] = r["ms"] / (read / (copy_rate * 1e12) * 1e3) if ok else None
-    if not smoke:
-        section(report, "gemms", lambda: time_gemms(device, torch.bfloat16, [1, 16, 64]))
     prefill_rows(report, runner, smoke, sharded)
     if a.tune:
         section(
@@ -425,43 +429,7 @@ def main(argv=None) -> None:
     if a.json and a.json != "-":
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
-    streamed = report["streamed_weight_bytes"] / 1e9
-    print(
-        f"\nweights {runner.weights_bytes / 1e9:.2f} GB ({streamed:.2f} GB streamed per "
-        f"step); bound at 4.8 TB/s {bound_ms:.2f} ms; copy {report.get('copy_TBps')} TB/s"
-    )
-    print(f"{'batch':>5} {'ctx':>5} {'variant':>7} {'ms':>8} {'x bound':>8} {'KV GB':>6} x copy")
-    for r in rows:
-        print(
-            f"{r['batch']:>5} {r['context']:>5} {r['variant']:>7} {r['ms']:>8.2f} "
-            f"{r['over_bound']:>8.2f} {r['kv_bytes'] / 1e9:>6.2f} {r['over_copy']}"
-        )
-    print_prefill(report)
-    print_tuning(report)
-    sweep = report.get("attention_sweep")
-    for r in sweep if isinstance(sweep, list) else []:
-        print(
-            f"attention b={r['batch']:>2} ctx={r['context']:>4} parts={r['parts']:>2} "
-            f"tile={r['tile']:>3}: {r['us']:7.1f} us {r['TBps']:5.2f} TB/s"
-            f"{' (picked)' if r['picked'] else ''}"
-        )
-    for r in report.get("host_profile") if isinstance(report.get("host_profile"), list) else []:
-        print(
-            f"host {r['tottime_ms_per_step']:7.3f} ms self {r['cumtime_ms_per_step']:7.3f} ms "
-            f"cum {r['calls'] // 20:5d}x/step  {r['function']}"
-        )
-    for r in report.get("profile") if isinstance(report.get("profile"), list) else []:
-        print(f"{r['us_per_step']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
-    print(
-        f"executor step (execute_model), batch {max(batches)}, ctx {a.context}: "
-        f"{report['executor_step_ms']} ms one at a time, "
-        f"{steps.get('overlapped_ms', steps)} ms overlapped"
-    )
-    for r in report.get("gemms") if isinstance(report.get("gemms"), list) else []:
-        print(
-            f"gemm m={r['m']:>2} {r['k']}x{r['n']}: cuBLAS {r['ms'] * 1e3:.0f} us "
-            f"({r['TBps']:.2f} TB/s)"
-        )
+    print_report(report, runner.weights_bytes, bound_ms, max(batches), a.context)
     if a.json == "-":  # the whole report, last
         print(json.dumps(report, indent=1))
 

@@ -326,6 +326,31 @@ def test_gpu_attention_ab_compares_two_versions_of_the_kernels(tmp_path):
         assert r["output_diff"] == 0.0, r
 
 
+def test_gpu_linear_times_cublas_and_the_triton_candidate(tmp_path):
+    """gpu_linear.py under the interpreter: every launch setting on both weight layouts beside
+    torch's product, each with its error against float64 (the candidate's indexing checked on
+    shapes with partial row tiles); one layer's products both ways; the logits both ways, the
+    same values."""
+    from benchmarks.gpu_linear import SMOKE_SHAPES, SMOKE_TILES
+
+    out = tmp_path / "linear.json"
+    run = run_script(
+        ["benchmarks/gpu_linear.py", "--smoke", "--rows", "5", "--json", str(out)], timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = report["sweep"]
+    assert len(rows) == len(SMOKE_SHAPES) * 2 * (1 + len(SMOKE_TILES))
+    for r in rows:
+        assert "error" not in r and r["us"] > 0, r
+        assert r["rel_err"] < 1e-5, r  # float32 on the CPU
+    assert {r["kind"] for r in rows} == {"cublas", "triton"}
+    [layer] = report["layer"]
+    assert layer["cublas_ms"] > 0 and layer["triton_ms"] > 0
+    [logits] = report["logits"]
+    assert logits["torch_us"] > 0 and logits["cuda_us"] > 0 and logits["max_abs_diff"] < 1e-5
+
+
 def test_tp_step_benchmark_measures_both_sizes_and_models_the_traffic(tmp_path):
     """TP=1 and TP=2 timed in one run (CPU, gloo) with their ratio; the traffic model's rows."""
     from benchmarks.tp_step import SHAPES, traffic_bytes
