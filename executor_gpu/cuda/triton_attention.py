@@ -228,6 +228,7 @@ def paged_decode_attention(
     tile: int = 0,
     window: int = 0,
     softcap: float = 0.0,
+    warps: int = 4,
 ) -> torch.Tensor:
     """Attention of N single-token queries ([N, heads, d], any strides with a unit last one) to
     their cached contexts; returns [N, heads, d] in the query's dtype.
@@ -239,7 +240,7 @@ def paged_decode_attention(
     ``parts`` (a power of two; 0 = ``partitions_for``) splits each context across programs
     whose partial softmax sums a second kernel combines; ``tile`` overrides TILE. ``window``
     (tokens; 0 = none) attends only to each request's last ``window`` positions; ``softcap``
-    (0 = none) caps the scores.
+    (0 = none) caps the scores. ``warps`` is the main kernel's num_warps.
     """
     n, num_heads, head_dim = query.shape
     _, _, block_size, kv_heads, _ = kv_cache.shape
@@ -303,7 +304,7 @@ def paged_decode_attention(
         STORE_KV=store,
         PARTS=parts,
         SOFTCAP=softcap > 0,
-        num_warps=4,
+        num_warps=warps,
     )
     if parts > 1:
         _combine_parts_kernel[(n, num_heads)](

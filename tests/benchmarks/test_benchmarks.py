@@ -351,6 +351,30 @@ def test_gpu_linear_times_cublas_and_the_triton_candidate(tmp_path):
     assert logits["torch_us"] > 0 and logits["cuda_us"] > 0 and logits["max_abs_diff"] < 1e-5
 
 
+def test_gpu_decode_attention_sweeps_settings_at_mixed_lengths(tmp_path):
+    """gpu_decode_attention.py under the interpreter: every setting on every shape (equal and
+    mixed lengths), each within float32 error of the reference, and the summary's best."""
+    from benchmarks.gpu_decode_attention import (
+        SMOKE_PARTS,
+        SMOKE_SHAPES,
+        SMOKE_TILES,
+        SMOKE_WARPS,
+        lengths_for,
+    )
+
+    assert lengths_for(8, 20, 70) == lengths_for(8, 20, 70)  # seeded
+    assert len(set(lengths_for(8, 20, 70))) > 1 and set(lengths_for(3, 40, 40)) == {40}
+    out = tmp_path / "attention.json"
+    run = run_script(["benchmarks/gpu_decode_attention.py", "--smoke", "--json", str(out)], 300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    settings = len(SMOKE_TILES) * len(SMOKE_WARPS) * len(SMOKE_PARTS)
+    assert len(report["rows"]) == len(SMOKE_SHAPES) * settings
+    for r in report["rows"]:
+        assert "error" not in r and r["us"] > 0 and r["rel_err"] < 1e-5, r
+    assert set(report["summary"]) == {name for name, *_ in SMOKE_SHAPES}
+
+
 def test_tp_step_benchmark_measures_both_sizes_and_models_the_traffic(tmp_path):
     """TP=1 and TP=2 timed in one run (CPU, gloo) with their ratio; the traffic model's rows."""
     from benchmarks.tp_step import SHAPES, traffic_bytes
