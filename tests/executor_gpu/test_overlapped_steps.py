@@ -24,7 +24,7 @@ from common.wire.step_types import (  # noqa: E402
 )
 from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
 from executor_gpu.overlap import fill_placeholders  # noqa: E402
-from tests.support.cpu_runner import cpu_runner  # noqa: E402
+from tests.support.cpu_runner import cpu_runner, runner_device  # noqa: E402
 from tests.support.mini_controller import MiniController  # noqa: E402
 from tests.support.tiny_models import hf_greedy, random_prompts, save_tiny_checkpoint  # noqa: E402
 
@@ -48,7 +48,8 @@ def make_runner(path: str, overlap: str = "on", graphs: bool = False) -> GPUMode
 def test_the_overlap_is_on_for_cuda_and_forced_on_the_cpu(tiny):
     path, _ = tiny
     assert make_runner(path, "on").overlaps_steps
-    assert not make_runner(path, "auto").overlaps_steps  # the CPU: one step at a time
+    # auto: on for CUDA (one rank), one step at a time on the CPU
+    assert make_runner(path, "auto").overlaps_steps == (runner_device() == "cuda")
     assert not make_runner(path, "off").overlaps_steps
 
 
