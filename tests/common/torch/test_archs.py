@@ -17,6 +17,7 @@ from common.torch.models import build_model  # noqa: E402
 from common.wire.model_config import load_model_geometry  # noqa: E402
 from common.wire.step_types import SamplingParams  # noqa: E402
 from executor_gpu.model_runner import GPUModelRunner  # noqa: E402
+from tests.support.cpu_runner import runner_device  # noqa: E402
 from tests.support.mini_controller import BLOCK  # noqa: E402
 from tests.support.tiny_models import (  # noqa: E402
     KINDS,
@@ -75,7 +76,7 @@ def test_logits_match_transformers(tiny):
 def test_gpu_runner_greedy_matches_transformers(tiny):
     kind, path, hf = tiny
     cfg = ExecutorConfig(
-        model=path, device="cpu", block_size=BLOCK, seed=7, max_num_batched_tokens=64
+        model=path, device=runner_device(), block_size=BLOCK, seed=7, max_num_batched_tokens=64
     )
     runner = GPUModelRunner(cfg, load_model_geometry(path))
     runner.load_model()

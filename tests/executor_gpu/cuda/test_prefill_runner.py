@@ -1,6 +1,7 @@
 """The model runner's mixed step (decodes, a chunk continuing a chunked prefill, a prefix-cache
 hit's new chunk, a fresh prompt) through the Triton backend with the batched prefill kernel,
-against the same step through the torch backend, on the CPU under Triton's interpreter.
+against the same step through the torch backend, on the CPU under Triton's interpreter (or
+compiled on a GPU with ``TANDEM_TEST_DEVICE=cuda TRITON_INTERPRET=0``).
 
 A tiny random-weight Llama (2 layers, GQA 4/2, 32-wide heads), float32. tests/conftest.py sets
 ``TRITON_INTERPRET=1`` before triton is imported.
@@ -16,7 +17,10 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-if os.environ.get("TRITON_INTERPRET") != "1":  # conftest sets it before triton loads
+from tests.support.cpu_runner import runner_device  # noqa: E402
+
+# conftest sets the interpreter before triton loads; a GPU run compiles the kernels instead
+if os.environ.get("TRITON_INTERPRET") != "1" and runner_device() == "cpu":
     pytest.skip(
         "TRITON_INTERPRET=1 was not set before triton was imported", allow_module_level=True
     )
@@ -56,7 +60,11 @@ def runner(tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")  # the torch implementations on the CPU
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     cfg = ExecutorConfig(
-        model=str(tmp_path), device="cpu", dtype="float32", max_num_seqs=8, load_format="dummy"
+        model=str(tmp_path),
+        device=runner_device(),
+        dtype="float32",
+        max_num_seqs=8,
+        load_format="dummy",
     )
     r = GPUModelRunner(cfg, load_model_geometry(str(tmp_path), 256))
     r.load_model()
