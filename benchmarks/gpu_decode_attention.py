@@ -26,7 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.gpu_kernels import BLOCK, attention_shape, rel_err, time_us  # noqa: E402
+from benchmarks.gpu_kernels import (  # noqa: E402
+    BLOCK,
+    attention_shape,
+    fabricated_meta,
+    rel_err,
+    time_us,
+)
 from common.torch.attention import _decode_attention  # noqa: E402
 from executor_gpu.cuda import triton_attention as ta  # noqa: E402
 
@@ -52,39 +58,22 @@ def lengths_for(batch: int, low: int, high: int, seed: int = 0) -> list[int]:
 
 
 def decode_case(lengths: list[int], device: torch.device):
-    """Queries, a random cache and each request's own blocks for one decode step."""
+    """A decode step at ``lengths`` (``fabricated_meta``): its metadata, queries and a random
+    cache covering its blocks."""
     heads, kv_heads, dim, dtype = attention_shape(device)
-    per = [-(-n // BLOCK) for n in lengths]
-    width = max(per)
-    tables = torch.zeros(len(lengths), width, dtype=torch.long)
-    first = 1
-    for i, p in enumerate(per):
-        tables[i, :p] = torch.arange(first, first + p)
-        first += p
-    kv = torch.randn(2, first, BLOCK, kv_heads, dim, device=device).to(dtype)
+    meta = fabricated_meta(len(lengths), lengths, device)
+    blocks = sum(-(-n // BLOCK) for n in lengths) + 1
+    kv = torch.randn(2, blocks, BLOCK, kv_heads, dim, device=device).to(dtype)
     q = torch.randn(len(lengths), heads, dim, device=device).to(dtype)
-    seq_lens = torch.tensor(lengths, device=device)
-    return q, kv, tables.to(device), seq_lens
+    return meta, q, kv
 
 
 def sweep_shape(name, lengths, tiles, warps, parts, device, t0) -> list[dict]:
     """Every (tile, warps, parts) on one shape: us, TB/s of KV, error against the reference."""
-    from common.torch.attention import AttentionMetadata
-
-    q, kv, tables, seq_lens = decode_case(lengths, device)
+    meta, q, kv = decode_case(lengths, device)
+    tables, seq_lens = meta.block_tables, meta.seq_lens
     _, kv_heads, dim, _ = attention_shape(device)
     kv_bytes = 2 * sum(lengths) * kv_heads * dim * kv.element_size()
-    meta = AttentionMetadata(
-        slot_mapping=seq_lens,  # (unread: no new tokens are stored here)
-        query_start_loc=torch.arange(len(lengths) + 1, device=device),
-        seq_lens=seq_lens,
-        block_tables=tables,
-        block_size=BLOCK,
-        num_decodes=len(lengths),
-        max_decode_seq_len=max(lengths),
-        query_start_loc_host=list(range(len(lengths) + 1)),
-        seq_lens_host=list(lengths),
-    )
     ref = _decode_attention(q.double(), kv.double(), meta, 0.088)
     dim_pad = max(16, 1 << (dim - 1).bit_length())
     tile_now = ta.tile_for(dim_pad, kv.element_size())

@@ -50,22 +50,31 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() / (ms / 1e3)
 
 
-def fabricated_meta(batch: int, context: int, device: torch.device) -> AttentionMetadata:
-    """A decode step of ``batch`` requests at ``context`` tokens, each on its own blocks."""
-    per = -(-context // BLOCK)
-    tables = torch.arange(batch * per, device=device).view(batch, per) + 1
-    pos = context - 1
-    slots = tables[:, pos // BLOCK] * BLOCK + pos % BLOCK
+def fabricated_meta(
+    batch: int, context: int | list[int], device: torch.device
+) -> AttentionMetadata:
+    """A decode step of ``batch`` requests at ``context`` tokens (one length for all, or one per
+    request), each request on its own consecutive blocks from block 1."""
+    lengths = list(context) if isinstance(context, list) else [context] * batch
+    per = [-(-n // BLOCK) for n in lengths]
+    tables = torch.zeros(batch, max(per), dtype=torch.long)
+    first = 1
+    for i, p in enumerate(per):
+        tables[i, :p] = torch.arange(first, first + p)
+        first += p
+    tables = tables.to(device)
+    pos = torch.tensor(lengths, device=device) - 1
+    slots = tables.gather(1, (pos // BLOCK)[:, None])[:, 0] * BLOCK + pos % BLOCK
     return AttentionMetadata(
         slot_mapping=slots,
         query_start_loc=torch.arange(batch + 1, device=device),
-        seq_lens=torch.full((batch,), context, device=device),
+        seq_lens=torch.tensor(lengths, device=device),
         block_tables=tables,
         block_size=BLOCK,
         num_decodes=batch,
-        max_decode_seq_len=context,
+        max_decode_seq_len=max(lengths),
         query_start_loc_host=list(range(batch + 1)),
-        seq_lens_host=[context] * batch,
+        seq_lens_host=lengths,
     )
 
 
