@@ -26,13 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.gpu_kernels import (  # noqa: E402
-    BLOCK,
-    attention_shape,
-    fabricated_meta,
-    rel_err,
-    time_us,
-)
+from benchmarks.gpu_kernels import attention_shape, decode_inputs, rel_err, time_us  # noqa: E402
 from common.torch.attention import _decode_attention  # noqa: E402
 from executor_gpu.cuda import triton_attention as ta  # noqa: E402
 
@@ -57,27 +51,19 @@ def lengths_for(batch: int, low: int, high: int, seed: int = 0) -> list[int]:
     return [rng.randint(low, high) for _ in range(batch)]
 
 
-def decode_case(lengths: list[int], device: torch.device):
-    """A decode step at ``lengths`` (``fabricated_meta``): its metadata, queries and a random
-    cache covering its blocks."""
-    heads, kv_heads, dim, dtype = attention_shape(device)
-    meta = fabricated_meta(len(lengths), lengths, device)
-    blocks = sum(-(-n // BLOCK) for n in lengths) + 1
-    kv = torch.randn(2, blocks, BLOCK, kv_heads, dim, device=device).to(dtype)
-    q = torch.randn(len(lengths), heads, dim, device=device).to(dtype)
-    return meta, q, kv
-
-
 def sweep_shape(name, lengths, tiles, warps, parts, device, t0) -> list[dict]:
     """Every (tile, warps, parts) on one shape: us, TB/s of KV, error against the reference."""
-    meta, q, kv = decode_case(lengths, device)
+    meta, kv, q = decode_inputs(len(lengths), lengths, device)
     tables, seq_lens = meta.block_tables, meta.seq_lens
     _, kv_heads, dim, _ = attention_shape(device)
     kv_bytes = 2 * sum(lengths) * kv_heads * dim * kv.element_size()
     ref = _decode_attention(q.double(), kv.double(), meta, 0.088)
-    dim_pad = max(16, 1 << (dim - 1).bit_length())
-    tile_now = ta.tile_for(dim_pad, kv.element_size())
-    picked = (ta.partitions_for(len(lengths), kv_heads, device), tile_now, 4)
+    # What paged_decode_attention picks when it is given no setting.
+    picked = (
+        ta.partitions_for(len(lengths), kv_heads, device),
+        ta.tile_for(ta.padded_dim(dim), kv.element_size()),
+        ta.WARPS,
+    )
     rows = []
     for tile, w, p in itertools.product(tiles, warps, parts):
         row = {"shape": name, "tile": tile, "warps": w, "parts": p}

@@ -95,9 +95,7 @@ def time_executor_step(
     prompts = [[(7 * i + j) % vocab for j in range(context)] for i in range(batch)]
     times = []
     with torch.inference_mode():
-        start_requests(runner, prompts, computed=context - 1)
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize()  # the prefill step stays out of a profile around the decodes
+        start_requests(runner, prompts, computed=context - 1)  # (finished: its tokens are here)
         with around():
             _decode_steps(runner, batch, context, steps, overlapped, times)
     runner.reset()
@@ -166,27 +164,22 @@ def profile_overlapped_steps(runner: GPUModelRunner, batch: int, context: int) -
     """The device's side of overlapped decode steps (CUPTI, 12 steps): wall ms per step, the
     device's busy ms per step (kernels and copies, which one stream runs one after another),
     and the largest kernels and copies by device time per step, graph replays' kernels
-    included. Busy below the wall is the device waiting for the host."""
+    included. Wall minus busy: the gaps between kernels, and the device waiting for the host."""
     from torch.profiler import ProfilerActivity, profile
 
     steps = 12
-    holder: dict = {}
-
-    @contextlib.contextmanager
-    def around():
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            yield
-            torch.cuda.synchronize()
-        holder["prof"] = prof
-
-    wall = time_executor_step(runner, batch, context, steps, overlapped=True, around=around)
-    events = [e for e in holder["prof"].key_averages() if e.device_time_total > 0]
-    busy_us = sum(e.device_time_total for e in events) / (steps + 1)
+    launches = steps + 1  # overlapped: one launch ahead of the steps timed
+    # (CUDA waits for the device on exit; on the CPU, for the smoke run, no device time)
+    on_cuda = runner.device.type == "cuda"
+    prof = profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU])
+    wall = time_executor_step(runner, batch, context, steps, overlapped=True, around=lambda: prof)
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    busy_us = sum(e.device_time_total for e in events) / launches
     rows = [
         {
             "kernel": e.key[:90],
-            "calls": e.count / (steps + 1),
-            "us_per_step": e.device_time_total / (steps + 1),
+            "calls": e.count / launches,
+            "us_per_step": e.device_time_total / launches,
         }
         for e in events
     ]

@@ -159,13 +159,14 @@ def attention_shape(device: torch.device) -> tuple[int, int, int, torch.dtype]:
 
 
 def decode_inputs(
-    batch: int, context: int, device: torch.device
+    batch: int, context: int | list[int], device: torch.device
 ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
-    """A decode step of ``batch`` requests at ``context`` tokens (``fabricated_meta``), a random
-    cache covering their blocks and their queries, at ``attention_shape``."""
+    """A decode step of ``batch`` requests at ``context`` tokens (one length or one per request;
+    ``fabricated_meta``), a random cache covering their blocks and their queries, at
+    ``attention_shape``."""
     heads, kv_heads, dim, dtype = attention_shape(device)
     meta = fabricated_meta(batch, context, device)
-    blocks = batch * -(-context // BLOCK) + 1
+    blocks = sum(-(-n // BLOCK) for n in meta.seq_lens_host) + 1
     kv = torch.randn(2, blocks, BLOCK, kv_heads, dim, device=device).to(dtype)
     q = torch.randn(batch, heads, dim, device=device).to(dtype)
     return meta, kv, q

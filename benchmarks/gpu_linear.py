@@ -213,7 +213,7 @@ def main(argv=None) -> None:
         try:
             best = best_per_shape(batch_rows)
             layer = time_layer(best, shapes, rows, device, dtype, rounds=3)
-            layer["best"] = {s: {k: v for k, v in b.items()} for s, b in best.items()}
+            layer["best"] = best
             report["layer"].append(layer)
             log(t0, "layer", json.dumps(layer))
         except Exception:

@@ -12,15 +12,13 @@ def _list(report: dict, key: str) -> list:
     return value if isinstance(value, list) else []
 
 
-def print_report(
-    report: dict, weights_bytes: int, bound_ms: float, batch: int, context: int
-) -> None:
+def print_report(report: dict, batch: int, context: int) -> None:
     """The decode rows against the bound and the copy rate, prefill and tuning, the attention
     sweep, the host and device profiles, and the executor step at ``batch`` x ``context``."""
     streamed = report["streamed_weight_bytes"] / 1e9
     print(
-        f"\nweights {weights_bytes / 1e9:.2f} GB ({streamed:.2f} GB streamed per "
-        f"step); bound at 4.8 TB/s {bound_ms:.2f} ms; copy {report.get('copy_TBps')} TB/s"
+        f"\nweights {report['weights_bytes'] / 1e9:.2f} GB ({streamed:.2f} GB streamed per "
+        f"step); bound at 4.8 TB/s {report['bound_ms']:.2f} ms; copy {report.get('copy_TBps')} TB/s"
     )
     print(f"{'batch':>5} {'ctx':>5} {'variant':>7} {'ms':>8} {'x bound':>8} {'KV GB':>6} x copy")
     for r in report["forward"]:
@@ -44,7 +42,7 @@ def print_report(
     for r in _list(report, "profile"):
         print(f"{r['us_per_step']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
     overlap = report.get("overlap_profile")
-    if isinstance(overlap, dict):
+    if isinstance(overlap, dict) and "wall_ms" in overlap:  # (else the section's error)
         print(
             f"overlapped steps: {overlap['wall_ms']:.3f} ms wall, "
             f"device busy {overlap['busy_ms']:.3f} ms"

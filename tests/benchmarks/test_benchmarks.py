@@ -276,6 +276,7 @@ def test_gpu_step_benchmark_smoke_on_the_cpu(tmp_path):
             "--long-context",
             "40",
             "--tune",
+            "--profile-host",
             "--json",
             str(out),
         ],
@@ -291,6 +292,8 @@ def test_gpu_step_benchmark_smoke_on_the_cpu(tmp_path):
     assert report["executor_step_ms"] > 0
     steps = report["executor_steps"]  # one at a time and overlapped, three rounds each
     assert len(steps["rounds"]["overlapped_ms"]) == 3 and steps["overlapped_ms"] > 0
+    # --profile-host: the host profile, and the overlapped steps' (no device time on the CPU)
+    assert report["host_profile"] and report["overlap_profile"]["wall_ms"] > 0
     # Prefill: the runner's path ("old") and the Triton kernel under the interpreter ("new"),
     # attention alone and the forward pass, every case.
     assert report["prefill_backends"]["new"] == "triton_paged"
